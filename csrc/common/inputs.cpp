@@ -1,0 +1,142 @@
+// Argument validation shared by the CPU and CUDA backends (see inputs.h).
+#include "inputs.h"
+
+#include <cmath>
+
+namespace fusedamp {
+
+DType float_dtype_of(const at::Tensor& tensor, const std::string& what) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "fusedamp: ", what, " has dtype ", tensor.scalar_type(),
+                       "; expected float32, float16 or bfloat16");
+  }
+}
+
+void check_scalar_tensor(const at::Tensor& tensor, const char* what, const at::Device& device) {
+  TORCH_CHECK_TYPE(tensor.scalar_type() == at::kFloat, "fusedamp: ", what,
+                   " must be a float32 tensor, got ", tensor.scalar_type());
+  TORCH_CHECK(tensor.numel() == 1, "fusedamp: ", what,
+              " must hold exactly one element, got shape ", tensor.sizes());
+  TORCH_CHECK(tensor.device() == device, "fusedamp: ", what, " is on ", tensor.device(),
+              " but the tensors it applies to are on ", device);
+}
+
+static void check_dense_tensor(const at::Tensor& tensor, const std::string& what,
+                               const at::Device& device) {
+  TORCH_CHECK(tensor.layout() == at::kStrided, "fusedamp: ", what, " has layout ",
+              tensor.layout(), "; only dense (strided) tensors are supported");
+  TORCH_CHECK(tensor.device() == device, "fusedamp: ", what, " is on ", tensor.device(),
+              ", expected ", device, " like the rest of the list");
+  TORCH_CHECK(tensor.is_contiguous(), "fusedamp: ", what,
+              " is not contiguous; call .contiguous() on it (fused kernels read memory linearly)");
+}
+
+static std::string item_name(const char* list, size_t index) {
+  return std::string(list) + "[" + std::to_string(index) + "]";
+}
+
+void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const char* op) {
+  const at::Device device = found_inf.device();
+  check_scalar_tensor(found_inf, (std::string(op) + ": found_inf").c_str(), device);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const std::string what = std::string(op) + ": " + item_name("grads", i);
+    check_dense_tensor(grads[i], what, device);
+    float_dtype_of(grads[i], what);
+  }
+}
+
+void check_hyperparameter(double value, const char* name, const char* op) {
+  TORCH_CHECK_VALUE(std::isfinite(value), "fusedamp: ", op, ": ", name, " is ", value,
+                    "; it must be a finite number");
+}
+
+OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::TensorList grads,
+                                   const std::vector<StateList>& states, at::TensorList masters,
+                                   at::TensorList steps,
+                                   const c10::optional<at::Tensor>& lr_tensor,
+                                   const c10::optional<at::Tensor>& inv_grad_scale,
+                                   const c10::optional<at::Tensor>& found_inf,
+                                   const c10::optional<at::Tensor>& clip_coef) {
+  const std::string prefix = std::string(op) + ": ";
+  const size_t count = params.size();
+  auto check_length = [&](at::TensorList list, const char* name) {
+    TORCH_CHECK(list.size() == count, "fusedamp: ", prefix, name, " has ", list.size(),
+                " tensors but params has ", count, "; pass one per param");
+  };
+  check_length(grads, "grads");
+  check_length(steps, "steps");
+  for (const StateList& state : states) {
+    if (state.required || !state.tensors.empty()) check_length(state.tensors, state.name);
+  }
+  TORCH_CHECK(masters.empty() || masters.size() == count, "fusedamp: ", prefix, "masters has ",
+              masters.size(), " tensors but params has ", count,
+              "; pass none (no master weights) or one per param");
+
+  OptimizerCall call{DType::kFloat32, DType::kFloat32, MasterKind::kNone,
+                     count ? params[0].device() : at::Device(at::kCPU)};
+  if (count == 0) return call;
+  call.param_dtype = float_dtype_of(params[0], prefix + "params[0]");
+  call.grad_dtype = float_dtype_of(grads[0], prefix + "grads[0]");
+  if (!masters.empty()) {
+    const bool remainder = masters[0].scalar_type() == at::kShort;
+    TORCH_CHECK_TYPE(remainder || masters[0].scalar_type() == at::kFloat, "fusedamp: ", prefix,
+                     "masters must be float32 (full master weights) or int16 (bf16 remainders), "
+                     "got ", masters[0].scalar_type());
+    TORCH_CHECK_TYPE(call.param_dtype != DType::kFloat32, "fusedamp: ", prefix,
+                     "float32 params need no master weights; pass an empty masters list");
+    TORCH_CHECK_TYPE(!remainder || call.param_dtype == DType::kBFloat16, "fusedamp: ", prefix,
+                     "int16 remainder masters need bfloat16 params, got ",
+                     params[0].scalar_type());
+    call.master_kind = remainder ? MasterKind::kRemainder : MasterKind::kFloat32;
+  }
+
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& param = params[i];
+    const std::string param_name = prefix + item_name("params", i);
+    check_dense_tensor(param, param_name, call.device);
+    TORCH_CHECK_TYPE(param.scalar_type() == params[0].scalar_type(), "fusedamp: ", param_name,
+                     " is ", param.scalar_type(), " but params[0] is ", params[0].scalar_type(),
+                     "; one call takes one param dtype (the optimizers group by dtype)");
+    auto check_companion = [&](const at::Tensor& t, const std::string& name, at::ScalarType dtype) {
+      check_dense_tensor(t, name, call.device);
+      TORCH_CHECK_TYPE(t.scalar_type() == dtype, "fusedamp: ", name, " is ", t.scalar_type(),
+                       ", expected ", dtype);
+      TORCH_CHECK(t.numel() == param.numel(), "fusedamp: ", name, " has ", t.numel(),
+                  " elements but ", param_name, " has ", param.numel());
+    };
+    check_companion(grads[i], prefix + item_name("grads", i), grads[0].scalar_type());
+    for (const StateList& state : states) {
+      if (!state.tensors.empty()) {
+        check_companion(state.tensors[i], prefix + item_name(state.name, i), at::kFloat);
+      }
+    }
+    if (!masters.empty()) {
+      check_companion(masters[i], prefix + item_name("masters", i), masters[0].scalar_type());
+    }
+    check_scalar_tensor(steps[i], (prefix + item_name("steps", i)).c_str(), call.device);
+  }
+  if (lr_tensor.has_value()) {
+    // A CPU lr is read on the host, so it may drive a CUDA step without a sync.
+    const at::Device lr_device = lr_tensor->is_cpu() ? lr_tensor->device() : call.device;
+    check_scalar_tensor(*lr_tensor, (prefix + "lr_tensor").c_str(), lr_device);
+  }
+  if (inv_grad_scale.has_value()) {
+    check_scalar_tensor(*inv_grad_scale, (prefix + "inv_grad_scale").c_str(), call.device);
+  }
+  if (found_inf.has_value()) {
+    check_scalar_tensor(*found_inf, (prefix + "found_inf").c_str(), call.device);
+  }
+  if (clip_coef.has_value()) {
+    check_scalar_tensor(*clip_coef, (prefix + "clip_coef").c_str(), call.device);
+  }
+  return call;
+}
+
+}  // namespace fusedamp

@@ -1,0 +1,16 @@
+// The CPU kernels built for avx512.
+// System headers come first so that only fusedamp's own functions take this ISA's target.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <string>
+#include <type_traits>
+
+#define FUSEDAMP_ISA avx512
+#define FUSEDAMP_ISA_NAME "avx512"
+#define FUSEDAMP_KERNEL_TABLE kAvx512Kernels
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
+#endif
+#include "cpu/kernels_impl.h"

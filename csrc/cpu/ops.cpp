@@ -1,0 +1,272 @@
+// CPU backend of the fusedamp ops: checks (common/inputs.h), chunking (multi_tensor_plan.h),
+// at::parallel_for over the chunks, and the per-chunk kernels of the ISA chosen at run time.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+
+#include "common/inputs.h"
+#include "cpu/kernels.h"
+#include "fusedamp/math/scale.h"
+#include "fusedamp/multi_tensor_plan.h"
+
+namespace fusedamp::cpu {
+namespace {
+
+// Elements per parallel task: large enough to amortize scheduling, small enough that a few
+// hundred mid-sized tensors still spread over every core.
+constexpr int64_t kChunkSize = 1 << 15;
+
+bool cpu_has(const char* feature_set) {
+#if defined(__x86_64__)
+  const std::string isa(feature_set);
+  __builtin_cpu_init();
+  if (isa == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  if (isa == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+#endif
+  return std::string(feature_set) == "baseline";
+}
+
+const KernelTable* table_for(const std::string& isa) {
+  if (isa == "avx512") return &kAvx512Kernels;
+  if (isa == "avx2") return &kAvx2Kernels;
+  if (isa == "baseline") return &kBaselineKernels;
+  return nullptr;
+}
+
+const KernelTable* checked_table(const std::string& isa) {
+  const KernelTable* table = table_for(isa);
+  TORCH_CHECK_VALUE(table != nullptr, "fusedamp: unknown CPU ISA '", isa,
+                    "'; choose avx512, avx2 or baseline");
+  TORCH_CHECK_VALUE(cpu_has(isa.c_str()), "fusedamp: this CPU does not support the '", isa,
+                    "' kernels");
+  return table;
+}
+
+const KernelTable* detect_table() {
+  if (const char* forced = std::getenv("FUSEDAMP_CPU_ISA")) {
+    if (*forced) return checked_table(forced);
+  }
+  for (const char* isa : {"avx512", "avx2"}) {
+    if (cpu_has(isa)) return table_for(isa);
+  }
+  return &kBaselineKernels;
+}
+
+std::atomic<const KernelTable*>& active_table() {
+  static std::atomic<const KernelTable*> table{detect_table()};
+  return table;
+}
+
+std::vector<int64_t> numels_of(at::TensorList tensors) {
+  std::vector<int64_t> numels;
+  numels.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) numels.push_back(t.numel());
+  return numels;
+}
+
+// Runs body(task_index, tensor_index, begin, end) for every chunk, in parallel.
+template <typename Body>
+void for_each_chunk(const std::vector<ChunkTask>& tasks, const std::vector<int64_t>& numels,
+                    Body&& body) {
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      const ChunkTask& task = tasks[k];
+      const int64_t begin = task.chunk * kChunkSize;
+      const int64_t end = std::min(numels[task.tensor], begin + kChunkSize);
+      body(k, task.tensor, begin, end);
+    }
+  });
+}
+
+float read_scalar(const at::Tensor& t) { return *t.data_ptr<float>(); }
+
+void unscale_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_grad_list(grads, found_inf, "unscale_");
+  check_scalar_tensor(inv_scale, "unscale_: inv_scale", found_inf.device());
+  const float inv = read_scalar(inv_scale);
+  const KernelTable& table = kernels();
+  const std::vector<int64_t> numels = numels_of(grads);
+  std::vector<DType> dtypes;
+  for (const at::Tensor& g : grads) dtypes.push_back(float_dtype_of(g, "unscale_: grad"));
+  std::atomic<bool> found{false};
+  for_each_chunk(plan_chunks(numels, kChunkSize), numels, [&](int64_t, int64_t t, int64_t b, int64_t e) {
+    if (table.unscale(grads[t].data_ptr(), dtypes[t], b, e, inv)) found.store(true);
+  });
+  if (found.load()) found_inf.fill_(1.0);
+}
+
+void check_and_norm_cpu(at::TensorList grads, const at::Tensor& found_inf,
+                        const c10::optional<at::Tensor>& sum_of_squares,
+                        const c10::optional<at::Tensor>& inv_scale) {
+  check_grad_list(grads, found_inf, "check_and_norm_");
+  if (sum_of_squares) check_scalar_tensor(*sum_of_squares, "check_and_norm_: sum_of_squares", found_inf.device());
+  if (inv_scale) check_scalar_tensor(*inv_scale, "check_and_norm_: inv_scale", found_inf.device());
+  const float multiplier = inv_scale ? read_scalar(*inv_scale) : 1.0f;
+  const KernelTable& table = kernels();
+  const std::vector<int64_t> numels = numels_of(grads);
+  const std::vector<ChunkTask> tasks = plan_chunks(numels, kChunkSize);
+  std::vector<DType> dtypes;
+  for (const at::Tensor& g : grads) dtypes.push_back(float_dtype_of(g, "check_and_norm_: grad"));
+  // One partial sum per chunk, added in chunk order: the result does not depend on threads.
+  std::vector<float> partial(tasks.size(), 0.0f);
+  std::atomic<bool> found{false};
+  for_each_chunk(tasks, numels, [&](int64_t k, int64_t t, int64_t b, int64_t e) {
+    if (table.check(grads[t].const_data_ptr(), dtypes[t], b, e, multiplier, &partial[k])) {
+      found.store(true);
+    }
+  });
+  if (found.load()) found_inf.fill_(1.0);
+  if (sum_of_squares) {
+    double total = 0.0;
+    for (float p : partial) total += p;
+    sum_of_squares->add_(total);
+  }
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                      double growth_factor, double backoff_factor, int64_t growth_interval,
+                      int64_t hysteresis, double min_scale, double max_scale) {
+  check_scalar_tensor(scale, "update_scale_: scale", scale.device());
+  check_scalar_tensor(found_inf, "update_scale_: found_inf", scale.device());
+  for (const auto& [tracker, name] : {std::pair{&growth_tracker, "growth_tracker"},
+                                      std::pair{&hysteresis_tracker, "hysteresis_tracker"}}) {
+    TORCH_CHECK_TYPE(tracker->scalar_type() == at::kInt && tracker->numel() == 1, "fusedamp: ",
+                     "update_scale_: ", name, " must be a one-element int32 tensor, got ",
+                     tracker->scalar_type(), " of shape ", tracker->sizes());
+  }
+  TORCH_CHECK_VALUE(growth_interval > 0 && hysteresis > 0, "fusedamp: update_scale_: ",
+                    "growth_interval and hysteresis must be positive, got ", growth_interval,
+                    " and ", hysteresis);
+  const LossScaleConfig config{float(growth_factor), float(backoff_factor), int32_t(growth_interval),
+                               int32_t(hysteresis), float(min_scale), float(max_scale)};
+  update_loss_scale(*scale.data_ptr<float>(), *growth_tracker.data_ptr<int32_t>(),
+                    *hysteresis_tracker.data_ptr<int32_t>(), read_scalar(found_inf), config);
+}
+
+// What every optimizer step on CPU shares: skip on found_inf, the grad multiplier, the lr.
+struct StepScalars {
+  bool skip;
+  float grad_multiplier;
+  bool write_grad;
+  double lr;
+};
+
+StepScalars step_scalars(double lr, const c10::optional<at::Tensor>& lr_tensor,
+                         const c10::optional<at::Tensor>& inv_grad_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
+  StepScalars s;
+  s.skip = found_inf && read_scalar(*found_inf) > 0.0f;
+  s.grad_multiplier = (inv_grad_scale ? read_scalar(*inv_grad_scale) : 1.0f) *
+                      (clip_coef ? read_scalar(*clip_coef) : 1.0f);
+  // Writing the grad back only matters when the step changed it.
+  s.write_grad = write_unscaled_grads && (inv_grad_scale || clip_coef);
+  s.lr = lr_tensor ? double(read_scalar(*lr_tensor)) : lr;
+  return s;
+}
+
+void* optional_ptr(at::TensorList list, size_t i) { return list.empty() ? nullptr : list[i].data_ptr(); }
+
+void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
+               at::TensorList steps, double lr, const c10::optional<at::Tensor>& lr_tensor,
+               double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+               bool maximize, const c10::optional<at::Tensor>& inv_grad_scale,
+               const c10::optional<at::Tensor>& found_inf,
+               const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
+  const OptimizerCall call = check_optimizer_call(
+      "adamw_", params, grads,
+      {{exp_avgs, "exp_avgs", true}, {exp_avg_sqs, "exp_avg_sqs", true},
+       {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad}},
+      masters, steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
+  for (auto [value, name] : {std::pair{lr, "lr"}, {beta1, "beta1"}, {beta2, "beta2"},
+                             {eps, "eps"}, {weight_decay, "weight_decay"}}) {
+    check_hyperparameter(value, name, "adamw_");
+  }
+  const StepScalars s = step_scalars(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads);
+  if (s.skip || params.empty()) return;
+
+  const size_t count = params.size();
+  std::vector<AdamWTensorPointers> pointers(count);
+  std::vector<AdamWKernelArgs> args(count);
+  for (size_t i = 0; i < count; ++i) {
+    pointers[i] = {params[i].data_ptr(), grads[i].data_ptr(), optional_ptr(masters, i),
+                   exp_avgs[i].data_ptr<float>(), exp_avg_sqs[i].data_ptr<float>(),
+                   static_cast<float*>(optional_ptr(max_exp_avg_sqs, i))};
+    const double step = double(read_scalar(steps[i])) + 1.0;
+    args[i] = {call.param_dtype, call.grad_dtype, call.master_kind,
+               adamw_coefficients(s.lr, beta1, beta2, eps, weight_decay, maximize, step),
+               s.grad_multiplier, s.write_grad, amsgrad};
+  }
+  const KernelTable& table = kernels();
+  const std::vector<int64_t> numels = numels_of(params);
+  for_each_chunk(plan_chunks(numels, kChunkSize), numels, [&](int64_t, int64_t t, int64_t b, int64_t e) {
+    table.adamw(pointers[t], args[t], b, e);
+  });
+  for (const at::Tensor& step : steps) *step.data_ptr<float>() += 1.0f;
+}
+
+void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+             at::TensorList masters, at::TensorList steps, double lr,
+             const c10::optional<at::Tensor>& lr_tensor, double momentum, double dampening,
+             double weight_decay, bool nesterov, bool maximize,
+             const c10::optional<at::Tensor>& inv_grad_scale,
+             const c10::optional<at::Tensor>& found_inf,
+             const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
+  const OptimizerCall call = check_optimizer_call(
+      "sgd_", params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters,
+      steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
+  for (auto [value, name] : {std::pair{lr, "lr"}, {momentum, "momentum"},
+                             {dampening, "dampening"}, {weight_decay, "weight_decay"}}) {
+    check_hyperparameter(value, name, "sgd_");
+  }
+  const StepScalars s = step_scalars(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads);
+  if (s.skip || params.empty()) return;
+
+  const size_t count = params.size();
+  std::vector<SgdTensorPointers> pointers(count);
+  std::vector<SgdKernelArgs> args(count);
+  for (size_t i = 0; i < count; ++i) {
+    pointers[i] = {params[i].data_ptr(), grads[i].data_ptr(), optional_ptr(masters, i),
+                   static_cast<float*>(optional_ptr(momentum_buffers, i))};
+    const bool first_step = read_scalar(steps[i]) == 0.0f;
+    args[i] = {call.param_dtype, call.grad_dtype, call.master_kind,
+               sgd_coefficients(s.lr, momentum, dampening, weight_decay, nesterov, maximize, first_step),
+               s.grad_multiplier, s.write_grad};
+  }
+  const KernelTable& table = kernels();
+  const std::vector<int64_t> numels = numels_of(params);
+  for_each_chunk(plan_chunks(numels, kChunkSize), numels, [&](int64_t, int64_t t, int64_t b, int64_t e) {
+    table.sgd(pointers[t], args[t], b, e);
+  });
+  for (const at::Tensor& step : steps) *step.data_ptr<float>() += 1.0f;
+}
+
+}  // namespace
+
+const KernelTable& kernels() { return *active_table().load(); }
+
+std::string set_kernels_isa(const std::string& isa) {
+  const KernelTable* table = checked_table(isa);
+  return active_table().exchange(table)->isa;
+}
+
+TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {
+  m.impl("unscale_", &unscale_cpu);
+  m.impl("check_and_norm_", &check_and_norm_cpu);
+  m.impl("update_scale_", &update_scale_cpu);
+  m.impl("adamw_", &adamw_cpu);
+  m.impl("sgd_", &sgd_cpu);
+}
+
+}  // namespace fusedamp::cpu

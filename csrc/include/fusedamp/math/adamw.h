@@ -1,0 +1,88 @@
+// AdamW per-element update in PyTorch's exact order, shared by the CPU and CUDA kernels.
+#pragma once
+
+#include <math.h>
+
+#include "fusedamp/math/master.h"
+
+namespace fusedamp {
+
+// Per-tensor constants of one step, computed once (in double) from the hyperparameters and the
+// step count the update is for, then used in float by every element.
+struct AdamWCoefficients {
+  float lr_weight_decay;        // lr * weight_decay
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float step_size;              // lr / (1 - beta1^step)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  float eps;
+  float grad_sign;              // -1 with maximize
+};
+
+// Raw pointers of one tensor of an AdamW call (max_exp_avg_sq only with amsgrad, master only
+// with a MasterKind other than kNone).
+struct AdamWTensorPointers {
+  void* param;
+  void* grad;
+  void* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;
+};
+
+}  // namespace fusedamp
+
+FUSEDAMP_NAMESPACE_BEGIN
+
+FUSEDAMP_HOST_DEVICE AdamWCoefficients adamw_coefficients(double lr, double beta1, double beta2,
+                                                          double eps, double weight_decay,
+                                                          bool maximize, double step) {
+  AdamWCoefficients c;
+  c.lr_weight_decay = float(lr * weight_decay);
+  c.beta1 = float(beta1);
+  c.one_minus_beta1 = float(1.0 - beta1);
+  c.beta2 = float(beta2);
+  c.one_minus_beta2 = float(1.0 - beta2);
+  c.step_size = float(lr / (1.0 - pow(beta1, step)));
+  c.bias_correction2_sqrt = float(sqrt(1.0 - pow(beta2, step)));
+  c.eps = float(eps);
+  c.grad_sign = maximize ? -1.0f : 1.0f;
+  return c;
+}
+
+// Decoupled weight decay on the old param first, then the moments, then the bias-corrected
+// step with sqrt(v) / sqrt(1 - beta2^t) + eps: the order of torch.optim.AdamW.
+FUSEDAMP_HOST_DEVICE void adamw_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
+                                       float& max_exp_avg_sq, bool amsgrad,
+                                       const AdamWCoefficients& c) {
+  grad *= c.grad_sign;
+  param -= c.lr_weight_decay * param;
+  exp_avg = c.beta1 * exp_avg + c.one_minus_beta1 * grad;
+  exp_avg_sq = c.beta2 * exp_avg_sq + c.one_minus_beta2 * grad * grad;
+  float second_moment = exp_avg_sq;
+  if (amsgrad) {
+    max_exp_avg_sq = max_exp_avg_sq > exp_avg_sq ? max_exp_avg_sq : exp_avg_sq;
+    second_moment = max_exp_avg_sq;
+  }
+  const float denom = sqrtf(second_moment) / c.bias_correction2_sqrt + c.eps;
+  param -= c.step_size * exp_avg / denom;
+}
+
+// The whole step for element `index`: the one function both backends loop over.
+template <DType P, DType G, MasterKind M>
+FUSEDAMP_HOST_DEVICE void adamw_element(const AdamWTensorPointers& t, int64_t index,
+                                        const AdamWCoefficients& c, float grad_multiplier,
+                                        bool write_grad, bool amsgrad) {
+  const float grad = prepare_grad<G>(t.grad, index, grad_multiplier, write_grad);
+  float param = load_master<P, M>(t.param, t.master, index);
+  float exp_avg = t.exp_avg[index];
+  float exp_avg_sq = t.exp_avg_sq[index];
+  float max_exp_avg_sq = amsgrad ? t.max_exp_avg_sq[index] : 0.0f;
+  adamw_update(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad, c);
+  t.exp_avg[index] = exp_avg;
+  t.exp_avg_sq[index] = exp_avg_sq;
+  if (amsgrad) t.max_exp_avg_sq[index] = max_exp_avg_sq;
+  store_master<P, M>(t.param, t.master, index, param);
+}
+
+FUSEDAMP_NAMESPACE_END

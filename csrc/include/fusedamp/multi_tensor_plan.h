@@ -1,0 +1,65 @@
+// Host-side partitioning of a tensor list into fixed-size chunks and of the chunks into kernel
+// launches whose metadata fits a fixed-size parameter struct. Used by the CUDA launcher (one
+// block per chunk) and by the CPU backend (one parallel task per chunk), and unit-tested on CPU.
+#pragma once
+
+#include <stdint.h>
+
+#include <vector>
+
+namespace fusedamp {
+
+// One unit of work: elements [chunk * chunk_size, min(numel, (chunk + 1) * chunk_size)) of
+// tensor `tensor` (an index into the caller's list). Sizes are 64-bit: a tensor may exceed 2^31.
+struct ChunkTask {
+  int64_t tensor;
+  int64_t chunk;
+};
+
+// One kernel launch: `tensors` lists the caller's tensor indices in slot order; each block
+// names a slot (not a tensor index), so the launch metadata only holds `tensors.size()` pointers.
+struct LaunchBatch {
+  std::vector<int64_t> tensors;
+  std::vector<int32_t> block_slot;
+  std::vector<int64_t> block_chunk;
+};
+
+inline int64_t chunk_count(int64_t numel, int64_t chunk_size) {
+  return (numel + chunk_size - 1) / chunk_size;
+}
+
+// Every chunk of every non-empty tensor, in list order. Zero-element tensors produce no task
+// (so they can never be read or written, whatever their position in the list).
+inline std::vector<ChunkTask> plan_chunks(const std::vector<int64_t>& numels, int64_t chunk_size) {
+  std::vector<ChunkTask> tasks;
+  for (int64_t t = 0; t < int64_t(numels.size()); ++t) {
+    const int64_t chunks = chunk_count(numels[t], chunk_size);
+    for (int64_t c = 0; c < chunks; ++c) tasks.push_back({t, c});
+  }
+  return tasks;
+}
+
+// Groups the chunks into launches of at most max_tensors slots and max_blocks blocks. A tensor
+// whose chunks do not fit in the current launch continues, in a fresh slot, in the next one.
+inline std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels, int64_t chunk_size,
+                                              int32_t max_tensors, int32_t max_blocks) {
+  std::vector<LaunchBatch> launches;
+  LaunchBatch current;
+  for (const ChunkTask& task : plan_chunks(numels, chunk_size)) {
+    const bool needs_slot = current.tensors.empty() || current.tensors.back() != task.tensor;
+    if (int32_t(current.block_slot.size()) == max_blocks ||
+        (needs_slot && int32_t(current.tensors.size()) == max_tensors)) {
+      launches.push_back(std::move(current));
+      current = LaunchBatch();
+    }
+    if (current.tensors.empty() || current.tensors.back() != task.tensor) {
+      current.tensors.push_back(task.tensor);
+    }
+    current.block_slot.push_back(int32_t(current.tensors.size()) - 1);
+    current.block_chunk.push_back(task.chunk);
+  }
+  if (!current.block_slot.empty()) launches.push_back(std::move(current));
+  return launches;
+}
+
+}  // namespace fusedamp

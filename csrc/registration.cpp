@@ -1,0 +1,38 @@
+// The single declaration of every fusedamp operator schema; backends register their kernels
+// in their own files (csrc/cpu/ops.cpp, csrc/cuda/*.cu).
+#include <torch/library.h>
+
+TORCH_LIBRARY(fusedamp, m) {
+  // grads *= inv_scale in place; found_inf = 1 if any grad element (before scaling) is
+  // non-finite, else left as it was. Grads may mix fp32, fp16 and bf16.
+  m.def("unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+  // Read-only pass over the grads: found_inf as above; when sum_of_squares is given, adds
+  // sum((g * inv_scale)^2) over all elements to it (inv_scale = 1 when absent).
+  m.def(
+      "check_and_norm_(Tensor[] grads, Tensor(a!) found_inf, Tensor(b!)? sum_of_squares, "
+      "Tensor? inv_scale) -> ()");
+  // Dynamic loss scale on the device (math/scale.h): backoff on found_inf > 0 after
+  // `hysteresis` overflows, growth after growth_interval clean steps, within [min, max].
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "int hysteresis, float min_scale, float max_scale) -> ()");
+  // One fused AdamW step per list position (math/adamw.h). Empty max_exp_avg_sqs unless
+  // amsgrad; empty masters, or one fp32 (full) / int16 (remainder, bf16 params) per param.
+  // steps: one fp32 scalar per param, the count before this step; incremented unless skipped.
+  // grads are multiplied by inv_grad_scale * clip_coef; found_inf > 0 skips everything.
+  m.def(
+      "adamw_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] masters, "
+      "Tensor(g!)[] steps, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
+      "float weight_decay, bool amsgrad, bool maximize, Tensor? inv_grad_scale, "
+      "Tensor? found_inf, Tensor? clip_coef, bool write_unscaled_grads) -> ()");
+  // One fused SGD step (math/sgd.h); momentum_buffers empty when momentum == 0; a param whose
+  // step count is 0 takes its first step (buffer = grad).
+  m.def(
+      "sgd_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
+      "Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, Tensor? lr_tensor, float momentum, "
+      "float dampening, float weight_decay, bool nesterov, bool maximize, "
+      "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
+      "bool write_unscaled_grads) -> ()");
+}

@@ -1,0 +1,34 @@
+"""fusedamp: fused mixed-precision training for PyTorch (CPU and CUDA).
+
+Drop-in replacements for ``torch.autocast``, ``torch.amp.GradScaler`` and
+``torch.optim.AdamW`` / ``SGD`` with fp32 master weights and the unscale, inf-check and
+clipping folded into one fused optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusedamp import _C, ops
+
+__all__ = ["build_info", "ops"]
+
+
+def build_info() -> dict[str, Any]:
+    """How this copy of fusedamp was built and what it uses at run time.
+
+    >>> fusedamp.build_info()["cpu_isa"]
+    'avx512'
+    """
+    from fusedamp import _build_meta
+
+    has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("fusedamp::unscale_", "CUDA")
+    return {
+        "torch_built_against": _build_meta.TORCH_VERSION,
+        "torch_running": torch.__version__,
+        "cuda_compiled": bool(_C.cuda_compiled and has_cuda_kernel),
+        "cuda_archs": _build_meta.CUDA_ARCHS.split(";") if _build_meta.CUDA_ARCHS else [],
+        "cpu_isa": _C.cpu_isa(),
+    }

@@ -1,0 +1,139 @@
+"""Builds fusedamp._C: CPU kernels always, CUDA kernels when nvcc and a CUDA build of torch exist.
+
+    pip install --no-build-isolation .      # torch must be installed first
+
+Environment: FUSEDAMP_CUDA=0|1 forces the CUDA kernels off/on; TORCH_CUDA_ARCH_LIST picks the
+GPU architectures (default 8.0;9.0a when no GPU is visible); FUSEDAMP_PTXAS_VERBOSE=1 prints
+ptxas register/spill reports; MAX_JOBS bounds the parallel compile jobs.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+except ImportError:
+    sys.exit(
+        "fusedamp: PyTorch is not installed. Install it first (e.g. `pip install torch`), then "
+        "build fusedamp with `pip install --no-build-isolation .` so the build sees that torch."
+    )
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0a"
+
+
+def nvcc_toolkit_root(nvcc: str) -> str | None:
+    """The toolkit nvcc really belongs to; `nvcc` on PATH may be a wrapper script elsewhere."""
+    try:
+        dryrun = subprocess.run(
+            [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"^#\$ TOP=(.+)$", dryrun.stdout + dryrun.stderr, re.MULTILINE)
+    return os.path.normpath(match.group(1).strip()) if match else None
+
+
+def find_cuda_home() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    nvcc = shutil.which("nvcc")
+    return nvcc_toolkit_root(nvcc) if nvcc else None
+
+
+def want_cuda(cuda_home: str | None) -> bool:
+    forced = os.environ.get("FUSEDAMP_CUDA")
+    if forced not in (None, "", "0", "1"):
+        sys.exit(f"fusedamp: FUSEDAMP_CUDA must be 0 or 1, got {forced!r}")
+    if forced == "0":
+        return False
+    available = cuda_home is not None and torch.version.cuda is not None
+    if forced == "1" and not available:
+        sys.exit(
+            "fusedamp: FUSEDAMP_CUDA=1 but "
+            + ("nvcc was not found (set CUDA_HOME or put nvcc on PATH)" if cuda_home is None
+               else f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch")
+        )
+    return available
+
+
+def check_nvcc_matches_torch(cuda_home: str) -> None:
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+                         capture_output=True, text=True).stdout
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    if not found:
+        sys.exit(f"fusedamp: could not read the CUDA version from {cuda_home}/bin/nvcc --version")
+    nvcc_major = int(found.group(1))
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if nvcc_major != torch_major:
+        sys.exit(
+            f"fusedamp: nvcc is CUDA {found.group(1)}.{found.group(2)} but torch "
+            f"{torch.__version__} was built with CUDA {torch.version.cuda}; the major versions "
+            "must match. Install the matching toolkit or torch build, or build CPU-only with "
+            "FUSEDAMP_CUDA=0."
+        )
+
+
+cuda_home = find_cuda_home()
+with_cuda = want_cuda(cuda_home)
+if with_cuda:
+    # cpp_extension reads CUDA_HOME when it is imported: resolve the wrapper before that.
+    os.environ["CUDA_HOME"] = cuda_home
+    check_nvcc_matches_torch(cuda_home)
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+cuda_archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
+with open(os.path.join(ROOT, "fusedamp", "_build_meta.py"), "w") as meta:
+    meta.write(
+        '"""Written by setup.py at build time: how this copy of fusedamp._C was built."""\n\n'
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"CUDA_COMPILED = {with_cuda!r}\n"
+        f"CUDA_ARCHS = {cuda_archs!r}\n"
+    )
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.join(ROOT, "csrc")]
+for site in sys.path:
+    cu_headers = os.path.join(site, "nvidia", "cu13", "include")
+    if os.path.isdir(cu_headers):
+        include_dirs.append(cu_headers)
+        break
+
+cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+ext_sources = sources("csrc/*.cpp") + sources("csrc/common/*.cpp") + sources("csrc/cpu/*.cpp")
+if with_cuda:
+    nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    if os.environ.get("FUSEDAMP_PTXAS_VERBOSE") == "1":
+        nvcc_flags.append("-Xptxas=-v")
+    extension = CUDAExtension(
+        "fusedamp._C",
+        ext_sources + sources("csrc/cuda/**/*.cu") + sources("csrc/cuda/**/*.cpp"),
+        include_dirs=include_dirs,
+        define_macros=[("FUSEDAMP_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+    )
+else:
+    extension = CppExtension(
+        "fusedamp._C", ext_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+    )
+
+setup(
+    packages=find_packages(include=["fusedamp", "fusedamp.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
