@@ -56,6 +56,14 @@ FUSEDAMP_HOST_DEVICE uint32_t select_bits(bool cond, uint32_t if_true, uint32_t 
   return (if_true & mask) | (if_false & ~mask);
 }
 
+FUSEDAMP_HOST_DEVICE float select_float(bool cond, float if_true, float if_false) {
+#if defined(__CUDA_ARCH__)
+  return cond ? if_true : if_false;
+#else
+  return float_from_bits(select_bits(cond, float_bits(if_true), float_bits(if_false)));
+#endif
+}
+
 FUSEDAMP_HOST_DEVICE float bf16_to_float(uint16_t bits) { return float_from_bits(uint32_t(bits) << 16); }
 
 // Round to nearest even on the bit pattern; NaN stays a (quiet) NaN.

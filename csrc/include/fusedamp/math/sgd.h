@@ -41,17 +41,17 @@ FUSEDAMP_HOST_DEVICE SgdCoefficients sgd_coefficients(double lr, double momentum
 }
 
 // maximize negates the gradient before weight decay, as torch.optim.SGD does. The flags are
-// plain selects (no branches around loads or stores) so that host loops stay vectorizable.
+// bit selects, not branches, so that host loops over this stay vectorizable.
 FUSEDAMP_HOST_DEVICE void sgd_update(float& param, float grad, float& momentum_buffer,
                                      bool has_momentum, const SgdCoefficients& c) {
   grad *= c.grad_sign;
   const float decayed = grad + c.weight_decay * param;
-  grad = c.weight_decay != 0.0f ? decayed : grad;
+  grad = select_float(c.weight_decay != 0.0f, decayed, grad);
   if (has_momentum) {
     const float blended = c.momentum * momentum_buffer + c.one_minus_dampening * grad;
-    momentum_buffer = c.first_step ? grad : blended;
+    momentum_buffer = select_float(c.first_step, grad, blended);
     const float look_ahead = grad + c.momentum * momentum_buffer;
-    grad = c.nesterov ? look_ahead : momentum_buffer;
+    grad = select_float(c.nesterov, look_ahead, momentum_buffer);
   }
   param -= c.lr * grad;
 }
