@@ -1,0 +1,103 @@
+"""fusedamp.ops.unscale_ and the read-only check_and_norm_ against torch's
+_amp_foreach_non_finite_check_and_unscale_, as a fraction of the copy bandwidth.
+
+Run from the repository root: python -m benchmarks.bench_unscale [--device cpu] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import (
+    benchmark_args,
+    copy_peer,
+    environment,
+    format_table,
+    gigabytes_per_second,
+    stable_medians,
+    time_round_robin,
+    write_json,
+)
+from fusedamp import ops
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TENSORS = 200
+DEFAULT_ELEMENTS = {"cpu": 16 << 20, "cuda": 256 << 20}
+TORCH = "torch unscale"
+# Passes over the grad bytes each op makes: unscale reads and writes, the checks only read.
+PASSES = {"fusedamp unscale_": 2, TORCH: 2, "fusedamp check (read-only)": 1, "fusedamp check + norm": 1}
+
+
+def grad_sizes(total: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` odd sizes within 0.5x-1.5x of the mean, adding up to about ``total``."""
+    rng = random.Random(seed)
+    mean = total // count
+    sizes = [rng.randrange(mean // 2, mean * 3 // 2) | 1 for _ in range(count - 1)]
+    return sizes + [max(total - sum(sizes), 1)]
+
+
+def peers_for(dtype: torch.dtype, sizes: list[int], device: str) -> dict[str, Callable[[], object]]:
+    """The timed calls for one dtype. Each in-place peer owns its grads; the inverse scale
+    alternates between 0.5 and 2, so the values stay exactly as they were (no drift into
+    subnormals) while every call still multiplies."""
+    inv_scales = [torch.tensor(v, device=device) for v in (0.5, 2.0)]
+    calls = [0]
+
+    def inv_scale() -> torch.Tensor:
+        calls[0] += 1
+        return inv_scales[calls[0] % 2]
+
+    def grads() -> list[torch.Tensor]:
+        return [torch.randn(n, device=device).to(dtype) for n in sizes]
+
+    found_inf = torch.zeros((), device=device)
+    sum_of_squares = torch.zeros((), device=device)
+    ours, theirs, checked = grads(), grads(), grads()
+    peers = {
+        "fusedamp unscale_": lambda: ops.unscale_(ours, found_inf, inv_scale()),
+        TORCH: lambda: torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv_scale()),
+        "fusedamp check (read-only)": lambda: ops.check_and_norm_(checked, found_inf),
+        "fusedamp check + norm": lambda: ops.check_and_norm_(checked, found_inf, sum_of_squares),
+    }
+    try:
+        peers[TORCH]()
+    except RuntimeError:  # a torch build without this dtype on this device
+        del peers[TORCH]
+    return peers
+
+
+def main() -> None:
+    args = benchmark_args(__doc__.splitlines()[0])
+    device = args.device
+    sizes = grad_sizes(DEFAULT_ELEMENTS[torch.device(device).type], TENSORS)
+    rows = []
+    for dtype_name, dtype in DTYPES.items():
+        grad_bytes = sum(sizes) * dtype.itemsize
+        peers = peers_for(dtype, sizes, device)
+        peers["copy"], copy_bytes = copy_peer(grad_bytes, device)
+        medians, kept = stable_medians(time_round_robin(peers, device, args.rounds))
+        copy_rate = gigabytes_per_second(copy_bytes, medians["copy"])
+        for name, passes in PASSES.items():
+            row = {"dtype": dtype_name, "op": name, "rounds kept": f"{kept}/{args.rounds}"}
+            if name in medians:
+                rate = gigabytes_per_second(passes * grad_bytes, medians[name])
+                row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate})
+                if TORCH in medians:
+                    row["vs torch unscale"] = medians[TORCH] / medians[name]
+            else:
+                row["op"] += " (not supported by this torch)"
+            rows.append(row)
+        rows.append({"dtype": dtype_name, "op": "copy", "ms": medians["copy"] * 1e3, "GB/s": copy_rate,
+                     "% of copy": 100.0, "rounds kept": f"{kept}/{args.rounds}"})
+    print(f"{sum(sizes) / 2**20:.0f}M elements in {len(sizes)} tensors on {device}, "
+          f"{torch.get_num_threads()} threads; 'vs torch unscale': torch's time / this time")
+    print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "vs torch unscale", "rounds kept"]))
+    write_json(args.json, {"benchmark": "unscale", "elements": sum(sizes), "tensors": len(sizes),
+                           "environment": environment(device), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

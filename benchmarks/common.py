@@ -1,0 +1,108 @@
+"""Timing helpers shared by the benchmarks: round-robin sampling, robust medians, copy
+bandwidth as the yardstick, and the table / JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import fusedamp
+
+
+def benchmark_args(description: str) -> argparse.Namespace:
+    """The options every benchmark takes: --device, --rounds, --json PATH."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=25, help="timed rounds per peer")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser.parse_args()
+
+
+def synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round_robin(
+    peers: dict[str, Callable[[], object]], device: str, rounds: int, warmup: int = 3
+) -> dict[str, list[float]]:
+    """Seconds per call of every peer, ``rounds`` samples each. The peers take turns, one call
+    each per round, so that load from elsewhere on the machine hits all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in peers}
+    for round_index in range(warmup + rounds):
+        for name, run in peers.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            if round_index >= warmup:
+                samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def stable_medians(samples: dict[str, list[float]], disturbance: float = 1.5) -> tuple[dict[str, float], int]:
+    """Median seconds per peer over the rounds no peer was disturbed in (a round is disturbed
+    when some peer took more than ``disturbance`` times its median: the machine was busy
+    elsewhere), and how many rounds were kept. Keeps every round if fewer than half are clean."""
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    rounds = len(next(iter(samples.values())))
+    clean = [
+        r
+        for r in range(rounds)
+        if all(times[r] <= disturbance * medians[name] for name, times in samples.items())
+    ]
+    if len(clean) < rounds / 2:
+        return medians, rounds
+    return {name: statistics.median(times[r] for r in clean) for name, times in samples.items()}, len(clean)
+
+
+def copy_peer(nbytes: int, device: str) -> tuple[Callable[[], object], int]:
+    """A plain ``dst.copy_(src)`` of ``nbytes`` (the machine's streaming yardstick) and the
+    bytes it moves (read + write)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * src.numel() * 4
+
+
+def gigabytes_per_second(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    info: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "fusedamp": fusedamp.build_info(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table of ``rows`` (floats with 2 decimals, None as n/a)."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "n/a"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
