@@ -6,6 +6,7 @@ Run from the repository root: python -m benchmarks.bench_unscale [--device cpu] 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -39,16 +40,15 @@ def grad_sizes(total: int, count: int, seed: int = 0) -> list[int]:
     return sizes + [max(total - sum(sizes), 1)]
 
 
-def peers_for(dtype: torch.dtype, sizes: list[int], device: str) -> dict[str, Callable[[], object]]:
-    """The timed calls for one dtype. Each in-place peer owns its grads; the inverse scale
-    alternates between 0.5 and 2, so the values stay exactly as they were (no drift into
-    subnormals) while every call still multiplies."""
-    inv_scales = [torch.tensor(v, device=device) for v in (0.5, 2.0)]
-    calls = [0]
+def alternating_inv_scales(device: str) -> Callable[[], torch.Tensor]:
+    """0.5, 2, 0.5, 2, ...: every call multiplies, yet the values come back exactly every
+    other call (no drift into subnormals or inf)."""
+    values = itertools.cycle([torch.tensor(0.5, device=device), torch.tensor(2.0, device=device)])
+    return lambda: next(values)
 
-    def inv_scale() -> torch.Tensor:
-        calls[0] += 1
-        return inv_scales[calls[0] % 2]
+
+def peers_for(dtype: torch.dtype, sizes: list[int], device: str) -> dict[str, Callable[[], object]]:
+    """The timed calls for one dtype; each in-place peer owns its grads and inverse scales."""
 
     def grads() -> list[torch.Tensor]:
         return [torch.randn(n, device=device).to(dtype) for n in sizes]
@@ -56,9 +56,10 @@ def peers_for(dtype: torch.dtype, sizes: list[int], device: str) -> dict[str, Ca
     found_inf = torch.zeros((), device=device)
     sum_of_squares = torch.zeros((), device=device)
     ours, theirs, checked = grads(), grads(), grads()
+    our_inv_scale, their_inv_scale = alternating_inv_scales(device), alternating_inv_scales(device)
     peers = {
-        "fusedamp unscale_": lambda: ops.unscale_(ours, found_inf, inv_scale()),
-        TORCH: lambda: torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv_scale()),
+        "fusedamp unscale_": lambda: ops.unscale_(ours, found_inf, our_inv_scale()),
+        TORCH: lambda: torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, their_inv_scale()),
         "fusedamp check (read-only)": lambda: ops.check_and_norm_(checked, found_inf),
         "fusedamp check + norm": lambda: ops.check_and_norm_(checked, found_inf, sum_of_squares),
     }
@@ -81,7 +82,7 @@ def main() -> None:
         medians, kept = stable_medians(time_round_robin(peers, device, args.rounds))
         copy_rate = gigabytes_per_second(copy_bytes, medians["copy"])
         for name, passes in PASSES.items():
-            row = {"dtype": dtype_name, "op": name, "rounds kept": f"{kept}/{args.rounds}"}
+            row = {"dtype": dtype_name, "op": name, "samples kept": f"{kept}/{args.rounds}"}
             if name in medians:
                 rate = gigabytes_per_second(passes * grad_bytes, medians[name])
                 row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate})
@@ -91,10 +92,11 @@ def main() -> None:
                 row["op"] += " (not supported by this torch)"
             rows.append(row)
         rows.append({"dtype": dtype_name, "op": "copy", "ms": medians["copy"] * 1e3, "GB/s": copy_rate,
-                     "% of copy": 100.0, "rounds kept": f"{kept}/{args.rounds}"})
+                     "% of copy": 100.0, "samples kept": f"{kept}/{args.rounds}"})
     print(f"{sum(sizes) / 2**20:.0f}M elements in {len(sizes)} tensors on {device}, "
-          f"{torch.get_num_threads()} threads; 'vs torch unscale': torch's time / this time")
-    print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "vs torch unscale", "rounds kept"]))
+          f"{torch.get_num_threads()} threads. 'vs torch unscale': torch's time / this time; "
+          "'samples kept': the fewest undisturbed samples of any peer of that dtype")
+    print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "vs torch unscale", "samples kept"]))
     write_json(args.json, {"benchmark": "unscale", "elements": sum(sizes), "tensors": len(sizes),
                            "environment": environment(device), "rows": rows})
 

@@ -48,19 +48,15 @@ def time_round_robin(
 
 
 def stable_medians(samples: dict[str, list[float]], disturbance: float = 1.5) -> tuple[dict[str, float], int]:
-    """Median seconds per peer over the rounds no peer was disturbed in (a round is disturbed
-    when some peer took more than ``disturbance`` times its median: the machine was busy
-    elsewhere), and how many rounds were kept. Keeps every round if fewer than half are clean."""
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    rounds = len(next(iter(samples.values())))
-    clean = [
-        r
-        for r in range(rounds)
-        if all(times[r] <= disturbance * medians[name] for name, times in samples.items())
-    ]
-    if len(clean) < rounds / 2:
-        return medians, rounds
-    return {name: statistics.median(times[r] for r in clean) for name, times in samples.items()}, len(clean)
+    """Median seconds per peer over its undisturbed samples, and the fewest samples any peer
+    kept. Other load only ever adds time, so a sample over ``disturbance`` times the peer's
+    best is one where the machine was busy elsewhere (on a shared machine, often most)."""
+    medians, kept = {}, []
+    for name, times in samples.items():
+        clean = [t for t in times if t <= disturbance * min(times)]
+        medians[name] = statistics.median(clean)
+        kept.append(len(clean))
+    return medians, min(kept)
 
 
 def copy_peer(nbytes: int, device: str) -> tuple[Callable[[], object], int]:
