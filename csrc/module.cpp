@@ -1,8 +1,11 @@
 // The Python module fusedamp._C: importing it registers the ops; it also exposes build facts
-// and test hooks that are not tensor ops (CPU ISA selection, the launch planner).
+// and test hooks that are not tensor ops (CPU ISA selection, the launch planner, the GEMM
+// kernel choice and the GEMM kernels' index math).
 #include <torch/extension.h>
 
+#include "common/gemm.h"
 #include "cpu/kernels.h"
+#include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
 
 namespace {
@@ -24,6 +27,105 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_launches_for_te
   return blocks;
 }
 
+using Pair = std::pair<int32_t, int32_t>;
+
+// The GEMM kernels' index math, evaluated on the host for tests/test_gemm_tiles.py.
+void def_gemm_tile_hooks(py::module_& m) {
+  namespace g = fusedamp::gemm;
+  m.def("gemm_tiles", [] {
+    return py::dict(py::arg("sm80") = py::make_tuple(g::Sm80Tile::kBlockM, g::Sm80Tile::kBlockN,
+                                                     g::Sm80Tile::kBlockK, g::Sm80Tile::kThreads),
+                    py::arg("sm90") = py::make_tuple(g::Sm90Tile::kBlockM, g::Sm90Tile::kBlockN,
+                                                     g::Sm90Tile::kBlockK, g::Sm90Tile::kThreads));
+  }, "(BLK_M, BLK_N, BLK_K, threads) of each kernel.");
+  m.def("gemm_tile_schedule", [](int32_t tiles_m, int32_t tiles_n, int32_t group) {
+    TORCH_CHECK_VALUE(tiles_m > 0 && tiles_n > 0 && group > 0, "tile counts must be positive");
+    std::vector<Pair> tiles;
+    for (int32_t i = 0; i < tiles_m * tiles_n; ++i) {
+      const g::TileCoord t = g::tile_of(i, tiles_m, tiles_n, group);
+      tiles.emplace_back(t.m, t.n);
+    }
+    return tiles;
+  }, "(tile_m, tile_n) of every linear tile index.");
+  m.def("gemm_swizzle", [](int32_t chunks_per_row, int32_t rows) {
+    std::vector<int32_t> offsets;
+    for (int32_t r = 0; r < rows; ++r) {
+      for (int32_t c = 0; c < chunks_per_row; ++c) {
+        offsets.push_back(chunks_per_row == 4 ? g::swizzled_offset<4>(r, 8 * c)
+                                              : g::swizzled_offset<16>(r, 8 * c));
+      }
+    }
+    return offsets;
+  }, "Byte offset of every 16-byte chunk (row-major) of an sm80 tile with 4 or 16 chunks/row.");
+  m.def("gemm_swizzle_128b", [](int32_t bytes) {
+    std::vector<int32_t> offsets;
+    for (int32_t o = 0; o < bytes; o += 16) offsets.push_back(g::swizzle_128b(o));
+    return offsets;
+  }, "128B-swizzled byte offset of every 16-byte chunk of a buffer.");
+  m.def("gemm_ldmatrix_lanes", [](const std::string& operand, bool k_major) {
+    std::vector<Pair> lanes;
+    for (int32_t lane = 0; lane < 32; ++lane) {
+      const g::ChunkIndex c = operand == "a" ? g::ldmatrix_a_lane(lane, k_major)
+                                             : g::ldmatrix_b_lane(lane, k_major);
+      lanes.emplace_back(c.row, c.chunk);
+    }
+    return lanes;
+  }, "(row, chunk) each lane hands to ldmatrix.x4 for operand 'a' or 'b'.");
+  m.def("gemm_mma_elements", [](const std::string& operand) {
+    std::vector<std::vector<Pair>> lanes(32);
+    const int32_t count = operand == "a" ? 8 : 4;
+    for (int32_t lane = 0; lane < 32; ++lane) {
+      for (int32_t i = 0; i < count; ++i) {
+        const g::Coord c = operand == "a"   ? g::mma_a_element(lane, i)
+                           : operand == "b" ? g::mma_b_element(lane, i)
+                                            : g::mma_c_element(lane, i);
+        lanes[lane].emplace_back(c.row, c.col);
+      }
+    }
+    return lanes;
+  }, "Per lane, the (row, col) of each element of the mma.m16n8k16 fragment 'a', 'b' or 'c'.");
+  m.def("gemm_sm80_accumulators", [] {
+    std::vector<Pair> coords;
+    using T = g::Sm80Tile;
+    for (int32_t w = 0; w < T::kThreads / 32; ++w)
+      for (int32_t lane = 0; lane < 32; ++lane)
+        for (int32_t mi = 0; mi < T::kMmaM; ++mi)
+          for (int32_t ni = 0; ni < T::kMmaN; ++ni)
+            for (int32_t i = 0; i < 4; ++i) {
+              const g::Coord c = g::sm80_accumulator(w, lane, mi, ni, i);
+              coords.emplace_back(c.row, c.col);
+            }
+    return coords;
+  }, "Block-tile (row, col) of every accumulator of every sm80 thread.");
+  m.def("gemm_wgmma_accumulators", [] {
+    std::vector<Pair> coords;
+    for (int32_t t = 0; t < 128; ++t)
+      for (int32_t i = 0; i < g::Sm90Tile::kBlockN / 2; ++i) {
+        const g::Coord c = g::wgmma_accumulator(t, i);
+        coords.emplace_back(c.row, c.col);
+      }
+    return coords;
+  }, "(row, col) in a consumer's 64 x BLK_N slice of every accumulator of every thread.");
+  m.def("gemm_copy_chunks", [](int32_t threads, int32_t rounds, int32_t chunks_per_row) {
+    std::vector<Pair> chunks;
+    for (int32_t r = 0; r < rounds; ++r)
+      for (int32_t t = 0; t < threads; ++t) {
+        const g::ChunkIndex c = g::copy_chunk(t, r, threads, chunks_per_row);
+        chunks.emplace_back(c.row, c.chunk);
+      }
+    return chunks;
+  }, "(row, chunk) copied by each (round, thread) of an sm80 tile load.");
+  m.def("gemm_chunk_bytes", &g::chunk_bytes, py::arg("row"), py::arg("col"), py::arg("rows"),
+        py::arg("cols"), "Valid bytes of the 8-element chunk at (row, col).");
+  m.def("gemm_activation", [](const std::vector<float>& z, int32_t activation) {
+    std::vector<float> out;
+    for (float v : z) out.push_back(g::activate(v, g::Activation(activation)));
+    return out;
+  }, "The epilogue activation (0 none, 1 relu, 2 gelu, 3 gelu_tanh) on the host.");
+  m.def("gemm_wgmma_descriptor", &g::wgmma_descriptor, py::arg("address"), py::arg("leading"),
+        py::arg("stride"), "The wgmma smem descriptor of a 128B-swizzled operand.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -34,6 +136,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("plan_launches", &plan_launches_for_test, py::arg("numels"), py::arg("chunk_size"),
         py::arg("max_tensors"), py::arg("max_blocks"),
         "The multi-tensor launch plan as (launch, slot, tensor, chunk) per block.");
+  m.def("gemm_backend", &fusedamp::gemm::backend_name,
+        "The CUDA gemm backend: reference, auto, mma_sync or wgmma.");
+  m.def("set_gemm_backend", &fusedamp::gemm::set_backend, py::arg("name"),
+        "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
+  def_gemm_tile_hooks(m);
 #ifdef FUSEDAMP_WITH_CUDA
   m.attr("cuda_compiled") = true;
 #else

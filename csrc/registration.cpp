@@ -35,4 +35,12 @@ TORCH_LIBRARY(fusedamp, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize, "
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
       "bool write_unscaled_grads) -> ()");
+  // out = act(a @ b + bias) with fp32 accumulation, rounded once to out_dtype (a's dtype or
+  // float32). a (..., K) fp16/bf16, leading dims flattened; b (K, N) same dtype, any strides (pass
+  // W.t() for x @ W.T); bias (N,) in a's dtype or float32; activation none|relu|gelu|gelu_tanh.
+  // Returns (out (..., N), preactivation): the latter is a @ b + bias in out_dtype when
+  // keep_preactivation (what the activation's backward needs), else an empty tensor.
+  m.def(
+      "gemm(Tensor a, Tensor b, Tensor? bias=None, str activation=\"none\", "
+      "ScalarType? out_dtype=None, bool keep_preactivation=False) -> (Tensor, Tensor)");
 }

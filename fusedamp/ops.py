@@ -126,3 +126,133 @@ def _split_lr(lr: float | Tensor) -> tuple[float, Tensor | None]:
 # In-place ops return nothing: their fake kernels only need to exist.
 for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"):
     torch.library.register_fake(f"fusedamp::{_name}")(lambda *args, **kwargs: None)
+
+
+# --- GEMM ------------------------------------------------------------------------------------
+
+GEMM_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")
+
+
+def gemm(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``act(a @ b + bias)`` with fp32 accumulation, rounded once to ``out_dtype``.
+
+    ``a`` is ``(..., K)`` float16 or bfloat16 (leading dims flattened), ``b`` is ``(K, N)`` of the
+    same dtype with any strides (``W.t()`` gives ``x @ W.T`` without a copy), ``bias`` is ``(N,)``
+    in ``a``'s dtype or float32, ``out_dtype`` is ``a``'s dtype (default) or float32.
+    ``activation`` is one of :data:`GEMM_ACTIVATIONS` (``gelu`` is the exact erf form). On CPU, and
+    on CUDA with the ``reference`` backend (see :func:`set_gemm_backend`), the operands are upcast
+    to float32 and multiplied by ATen; the CUDA kernels accumulate in float32 on Tensor Cores.
+    """
+    return torch.ops.fusedamp.gemm(a, b, bias, activation, out_dtype, False)[0]
+
+
+def gemm_with_preactivation(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Like :func:`gemm`, also returning ``a @ b + bias`` (in ``out_dtype``) from the same pass:
+    what the activation's backward needs, so it is not recomputed."""
+    out, preact = torch.ops.fusedamp.gemm(a, b, bias, activation, out_dtype, True)
+    return out, preact
+
+
+def gemm_backend() -> str:
+    """The code CUDA gemms run on: ``reference``, ``auto``, ``mma_sync`` or ``wgmma``."""
+    return _C.gemm_backend()
+
+
+def set_gemm_backend(name: str) -> str:
+    """Choose the CUDA gemm code, process-wide; returns the previous choice.
+
+    ``reference`` (default: the kernels have not yet been validated on a GPU) upcasts and uses
+    ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
+    ``wgmma`` force a kernel family. Operands a kernel cannot take (a leading dimension that is
+    not a multiple of 8, a misaligned pointer, K == 0; for wgmma also N not a multiple of 8 or a
+    float32 output) fall back to ``reference`` (``auto``: wgmma falls back to mma.sync first).
+    """
+    return _C.set_gemm_backend(name)
+
+
+@torch.library.register_fake("fusedamp::gemm")
+def _gemm_fake(
+    a: Tensor,
+    b: Tensor,
+    bias: Tensor | None = None,
+    activation: str = "none",
+    out_dtype: torch.dtype | None = None,
+    keep_preactivation: bool = False,
+) -> tuple[Tensor, Tensor]:
+    torch._check(b.dim() == 2, lambda: "fusedamp.gemm: b must be 2-D (K, N)")
+    torch._check(a.shape[-1] == b.shape[0], lambda: "fusedamp.gemm: a's last dim must equal K")
+    shape = (*a.shape[:-1], b.shape[1])
+    dtype = out_dtype or a.dtype
+    out = a.new_empty(shape, dtype=dtype)
+    preact = a.new_empty(shape if keep_preactivation else (0,), dtype=dtype)
+    return out, preact
+
+
+def _gemm_setup_context(
+    ctx: torch.autograd.function.FunctionCtx,
+    inputs: tuple[object, ...],
+    output: tuple[Tensor, Tensor],
+) -> None:
+    # Trailing arguments left at their schema defaults may be absent.
+    defaults = (None, "none", None, False)
+    a, b, bias, activation, out_dtype, keep_preactivation = (*inputs, *defaults[len(inputs) - 2 :])
+    ctx.activation = activation
+    ctx.out_dtype = out_dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    preact = output[1] if keep_preactivation else None
+    ctx.save_for_backward(a, b, bias, preact)
+
+
+def _activation_backward(grad: Tensor, z: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return torch.where(z > 0, grad, torch.zeros_like(grad))
+    if activation in ("gelu", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return torch.ops.aten.gelu_backward(grad.float(), z.float(), approximate=approximate)
+    return grad
+
+
+def _gemm_backward(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor | None, grad_preact: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    a, b, bias, preact = ctx.saved_tensors
+    k, n = b.shape
+    grad_z = torch.zeros((*a.shape[:-1], n), dtype=a.dtype, device=a.device)
+    if grad_out is not None:
+        if ctx.activation == "none":
+            grad_z = grad_out
+        else:
+            z = preact
+            if z is None:
+                z = torch.ops.fusedamp.gemm(a, b, bias, "none", ctx.out_dtype, False)[0]
+            grad_z = _activation_backward(grad_out, z, ctx.activation)
+    if grad_preact is not None and grad_preact.numel() > 0:
+        grad_z = grad_z + grad_preact
+    m = a.shape[:-1].numel()
+    grad_z2d = grad_z.reshape(m, n).to(a.dtype)
+    a2d = a.reshape(m, k)
+    grad_a = grad_b = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_a = gemm(grad_z2d, b.t()).reshape(a.shape)
+    if ctx.needs_input_grad[1]:
+        grad_b = gemm(a2d.t(), grad_z2d)
+    if bias is not None and ctx.needs_input_grad[2]:
+        grad_bias = grad_z.reshape(m, n).float().sum(0).to(ctx.bias_dtype)
+    return grad_a, grad_b, grad_bias, None, None, None
+
+
+torch.library.register_autograd(
+    "fusedamp::gemm", _gemm_backward, setup_context=_gemm_setup_context
+)

@@ -1,0 +1,45 @@
+// The GEMM op's argument checks, its ATen reference implementation (the CPU backend and the CUDA
+// fallback) and the process-wide choice of CUDA GEMM kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <tuple>
+
+#include "fusedamp/gemm/tiles.h"
+
+namespace fusedamp::gemm {
+
+// A validated gemm call: a flattened to 2-D, the output dtype, the activation.
+struct GemmCall {
+  at::Tensor a2d;            // (M, K): a with its leading dims flattened (a view when possible)
+  at::ScalarType out_dtype;  // a's dtype or float32
+  Activation activation;
+  std::vector<int64_t> out_shape;  // a.shape[:-1] + (N,)
+};
+
+GemmCall check_gemm_call(const at::Tensor& a, const at::Tensor& b,
+                         const c10::optional<at::Tensor>& bias, const std::string& activation,
+                         c10::optional<at::ScalarType> out_dtype);
+
+// out = act(a @ b + bias) with fp32 accumulation on whatever device the tensors are on:
+// the operands are upcast to fp32, multiplied by ATen, biased and activated in fp32, and the
+// result (and the pre-activation, when kept) rounded once to out_dtype. Returns (out, preact),
+// preact empty unless keep_preactivation.
+std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call, const at::Tensor& b,
+                                                  const c10::optional<at::Tensor>& bias,
+                                                  bool keep_preactivation);
+
+// Which code computes CUDA gemms. kReference (the default until the kernels have run on a GPU)
+// always uses gemm_reference; kAuto picks wgmma on sm_90, mma.sync on other sm_80+ GPUs;
+// kMmaSync / kWgmma force one kernel family. Shapes a kernel cannot take use gemm_reference.
+enum class Backend : int32_t { kReference = 0, kAuto = 1, kMmaSync = 2, kWgmma = 3 };
+
+Backend backend();
+std::string backend_name();
+// Sets the backend by name (reference, auto, mma_sync, wgmma); returns the previous name.
+std::string set_backend(const std::string& name);
+
+}  // namespace fusedamp::gemm

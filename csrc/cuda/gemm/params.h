@@ -1,0 +1,42 @@
+// The plain description of one GEMM that the torch-facing layer (gemm.cpp) hands to the kernels.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+#include "fusedamp/gemm/tiles.h"
+
+namespace fusedamp::gemm {
+
+// out (M, N) = act(A (M, K) @ B (K, N) + bias), fp32 accumulation. A and B hold fp16 or bf16 (the
+// kernel's template type); every pointer is 16-byte aligned and every leading dimension a multiple
+// of 8 elements (gemm.cpp routes other inputs to the ATen reference).
+struct GemmParams {
+  const void* a;       // A element (m, k) at a[m * lda + k] if a_k_major, else a[k * lda + m]
+  const void* b;       // B element (k, n) at b[n * ldb + k] if b_k_major, else b[k * ldb + n]
+  const void* bias;    // (N,) in the input type, or fp32 when bias_fp32; nullptr: no bias
+  void* out;           // (M, N) row-major, leading dimension N; fp32 when out_fp32, else input type
+  void* preact;        // like out, receives acc + bias before the activation; nullptr: not kept
+  int64_t lda;         // leading dimension of A, in elements
+  int64_t ldb;         // leading dimension of B, in elements
+  int32_t m;           // rows of A and out (>= 1)
+  int32_t n;           // columns of B and out (>= 1)
+  int32_t k;           // the reduction length (>= 1)
+  bool a_k_major;      // A's k index has unit stride (row-major A)
+  bool b_k_major;      // B's k index has unit stride (B is a transposed row-major (N, K) matrix)
+  bool bias_fp32;      // bias holds float32 rather than the input type
+  bool out_fp32;       // out and preact hold float32 rather than the input type
+  Activation activation;  // applied to acc + bias in fp32
+};
+
+// Launchers (one translation unit per kernel family and input type). `sm_count` sizes the
+// persistent sm90 grid. Both throw a c10::Error on a launch failure.
+void launch_sm80_fp16(const GemmParams& p, cudaStream_t stream);
+void launch_sm80_bf16(const GemmParams& p, cudaStream_t stream);
+void launch_sm90_fp16(const GemmParams& p, int sm_count, cudaStream_t stream);
+void launch_sm90_bf16(const GemmParams& p, int sm_count, cudaStream_t stream);
+
+// Whether this build holds real sm_90a wgmma code (it does not when 9.0a was not a target).
+bool sm90_kernels_built();
+
+}  // namespace fusedamp::gemm

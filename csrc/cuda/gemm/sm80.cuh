@@ -1,0 +1,202 @@
+// The sm_80+ GEMM kernel: mma.sync m16n8k16 (HMMA) fed by ldmatrix from XOR-swizzled shared
+// memory, filled by a kStages-deep cp.async pipeline. Included once per input type (sm80_*.cu).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+
+#include "cuda/gemm/device.cuh"
+
+namespace fusedamp::gemm {
+
+// One operand's smem tile for a block extent `kMn` (BLK_M or BLK_N) and BLK_K. K-major operands
+// are stored as (kMn, BLK_K): rows of BLK_K / 8 chunks; MN-major ones as (BLK_K, kMn).
+template <bool kKMajor, int kMn>
+struct Sm80Operand {
+  static constexpr int kRows = kKMajor ? kMn : Sm80Tile::kBlockK;
+  static constexpr int kChunksPerRow = (kKMajor ? Sm80Tile::kBlockK : kMn) / 8;
+  static constexpr int kBytes = kRows * kChunksPerRow * 16;
+  static constexpr int kCopyRounds = kRows * kChunksPerRow / Sm80Tile::kThreads;
+  static_assert(kRows * kChunksPerRow % Sm80Tile::kThreads == 0,
+                "Sm80Operand: every thread copies the same number of chunks");
+
+  // Starts the copy of the tile whose first (m or n, k) element is (mn0, k0). `base` holds the
+  // operand as `extent_mn` x `extent_k` with leading dimension `ld`.
+  static __device__ __forceinline__ void load(uint32_t smem, const uint16_t* base, int64_t ld,
+                                              int32_t extent_mn, int32_t extent_k, int32_t mn0,
+                                              int32_t k0) {
+    // Rows and columns of the tile as stored: rows along the strided index.
+    const int32_t row0 = kKMajor ? mn0 : k0;
+    const int32_t col0 = kKMajor ? k0 : mn0;
+    const int32_t rows = kKMajor ? extent_mn : extent_k;
+    const int32_t cols = kKMajor ? extent_k : extent_mn;
+#pragma unroll
+    for (int round = 0; round < kCopyRounds; ++round) {
+      const ChunkIndex c = copy_chunk(threadIdx.x, round, Sm80Tile::kThreads, kChunksPerRow);
+      const int64_t row = row0 + c.row;
+      const int64_t col = col0 + c.chunk * 8;
+      const int32_t bytes = chunk_bytes(row, col, rows, cols);
+      const uint16_t* src = bytes > 0 ? base + row * ld + col : base;
+      cp_async_16(smem + swizzled_offset<kChunksPerRow>(c.row, c.chunk * 8), src, bytes);
+    }
+  }
+
+  // smem byte offset that lane `lane` hands to ldmatrix for the fragment whose first (mn, k)
+  // element of the tile is (mn, k); `lane_address` is ldmatrix_a_lane / ldmatrix_b_lane.
+  static __device__ __forceinline__ uint32_t fragment_offset(ChunkIndex lane_address, int32_t mn,
+                                                             int32_t k) {
+    const int32_t row = (kKMajor ? mn : k) + lane_address.row;
+    const int32_t chunk = (kKMajor ? k : mn) / 8 + lane_address.chunk;
+    return swizzled_offset<kChunksPerRow>(row, chunk * 8);
+  }
+};
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+__global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const GemmParams p) {
+  using Tile = Sm80Tile;
+  using OperandA = Sm80Operand<kAKMajor, Tile::kBlockM>;
+  using OperandB = Sm80Operand<kBKMajor, Tile::kBlockN>;
+  constexpr int kStageBytes = OperandA::kBytes + OperandB::kBytes;
+  static_assert(Tile::kBlockK % 16 == 0, "gemm_sm80_kernel: BLK_K must be a multiple of mma K");
+  static_assert(Tile::kMmaN % 2 == 0, "gemm_sm80_kernel: B fragments load two n-blocks at once");
+
+  extern __shared__ __align__(128) uint8_t smem[];  // kStages x [(A tile) (B tile)]
+  const uint32_t smem_base = smem_address(smem);
+
+  const TileCoord tile = tile_of(blockIdx.x, ceil_div(p.m, Tile::kBlockM),
+                                 ceil_div(p.n, Tile::kBlockN), 8);
+  const int32_t m0 = tile.m * Tile::kBlockM;
+  const int32_t n0 = tile.n * Tile::kBlockN;
+  const int32_t k_tiles = ceil_div(p.k, Tile::kBlockK);
+  const auto* a = static_cast<const uint16_t*>(p.a);
+  const auto* b = static_cast<const uint16_t*>(p.b);
+
+  auto load_stage = [&](int32_t k_tile) {
+    const uint32_t stage = smem_base + (k_tile % Tile::kStages) * kStageBytes;
+    OperandA::load(stage, a, p.lda, p.m, p.k, m0, k_tile * Tile::kBlockK);
+    OperandB::load(stage + OperandA::kBytes, b, p.ldb, p.n, p.k, n0, k_tile * Tile::kBlockK);
+  };
+
+  // Every iteration commits one group (possibly empty), so "group kt has landed" is always
+  // "at most kStages - 2 groups pending".
+#pragma unroll
+  for (int s = 0; s < Tile::kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+
+  const int32_t warp = threadIdx.x / 32;
+  const int32_t lane = threadIdx.x % 32;
+  const int32_t warp_m0 = (warp % Tile::kWarpsM) * Tile::kWarpM;
+  const int32_t warp_n0 = (warp / Tile::kWarpsM) * Tile::kWarpN;
+  const ChunkIndex a_lane = ldmatrix_a_lane(lane, kAKMajor);
+  const ChunkIndex b_lane = ldmatrix_b_lane(lane, kBKMajor);
+
+  float acc[Tile::kMmaM][Tile::kMmaN][4] = {};  // (WARP_M / 16, WARP_N / 8, 4) per lane
+
+  for (int32_t kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<Tile::kStages - 2>();
+    // Publishes stage kt to every warp and ends every warp's reads of the stage refilled below.
+    __syncthreads();
+    if (kt + Tile::kStages - 1 < k_tiles) load_stage(kt + Tile::kStages - 1);
+    cp_async_commit();
+
+    const uint32_t stage_a = smem_base + (kt % Tile::kStages) * kStageBytes;
+    const uint32_t stage_b = stage_a + OperandA::kBytes;
+#pragma unroll
+    for (int kk = 0; kk < Tile::kBlockK; kk += 16) {
+      uint32_t a_frag[Tile::kMmaM][4];  // (16, 16) A blocks
+      uint32_t b_frag[Tile::kMmaN][2];  // (16, 8) B blocks
+#pragma unroll
+      for (int mi = 0; mi < Tile::kMmaM; ++mi) {
+        ldmatrix_x4<!kAKMajor>(a_frag[mi],
+                               stage_a + OperandA::fragment_offset(a_lane, warp_m0 + mi * 16, kk));
+      }
+#pragma unroll
+      for (int np = 0; np < Tile::kMmaN / 2; ++np) {
+        uint32_t r[4];
+        ldmatrix_x4<!kBKMajor>(r, stage_b + OperandB::fragment_offset(b_lane, warp_n0 + np * 16, kk));
+        b_frag[2 * np][0] = r[0];
+        b_frag[2 * np][1] = r[1];
+        b_frag[2 * np + 1][0] = r[2];
+        b_frag[2 * np + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < Tile::kMmaM; ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < Tile::kMmaN; ++ni) {
+          mma_16816<T>(acc[mi][ni], a_frag[mi], b_frag[ni][0], b_frag[ni][1]);
+        }
+      }
+    }
+  }
+
+  // Epilogue straight from the accumulators: each lane owns column pairs (2c, 2c + 1).
+  using Traits = HalfTraits<T>;
+  const bool pairs_aligned = p.n % 2 == 0;
+#pragma unroll
+  for (int mi = 0; mi < Tile::kMmaM; ++mi) {
+#pragma unroll
+    for (int ni = 0; ni < Tile::kMmaN; ++ni) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const Coord c = sm80_accumulator(warp, lane, mi, ni, 2 * half);
+        const int32_t row = m0 + c.row;
+        const int32_t col = n0 + c.col;
+        if (row >= p.m || col >= p.n) continue;
+        const bool has_second = col + 1 < p.n;
+        const float z0 = acc[mi][ni][2 * half] + load_bias<T>(p, col);
+        const float z1 = has_second ? acc[mi][ni][2 * half + 1] + load_bias<T>(p, col + 1) : 0.f;
+        const int64_t offset = int64_t(row) * p.n + col;
+        for (int pass = p.preact != nullptr ? 0 : 1; pass < 2; ++pass) {
+          void* dst = pass == 0 ? p.preact : p.out;
+          const float v0 = pass == 0 ? z0 : activate(z0, p.activation);
+          const float v1 = pass == 0 ? z1 : activate(z1, p.activation);
+          if (p.out_fp32) {
+            float* out = static_cast<float*>(dst) + offset;
+            if (has_second && pairs_aligned) {
+              *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+            } else {
+              out[0] = v0;
+              if (has_second) out[1] = v1;
+            }
+          } else {
+            T* out = static_cast<T*>(dst) + offset;
+            if (has_second && pairs_aligned) {
+              *reinterpret_cast<typename Traits::Pair*>(out) = Traits::pack(v0, v1);
+            } else {
+              out[0] = Traits::from_float(v0);
+              if (has_second) out[1] = Traits::from_float(v1);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor>
+void launch_sm80_kernel(const GemmParams& p, cudaStream_t stream) {
+  using Tile = Sm80Tile;
+  constexpr int kSmemBytes = Tile::kStages * (Sm80Operand<kAKMajor, Tile::kBlockM>::kBytes +
+                                              Sm80Operand<kBKMajor, Tile::kBlockN>::kBytes);
+  auto* kernel = gemm_sm80_kernel<T, kAKMajor, kBKMajor>;
+  // Above 48 KiB of dynamic smem a kernel must opt in (once per kernel, per device).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kSmemBytes));
+  const int32_t blocks = ceil_div(p.m, Tile::kBlockM) * ceil_div(p.n, Tile::kBlockN);
+  kernel<<<blocks, Tile::kThreads, kSmemBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_sm80(const GemmParams& p, cudaStream_t stream) {
+  if (p.a_k_major) {
+    if (p.b_k_major) launch_sm80_kernel<T, true, true>(p, stream);
+    else launch_sm80_kernel<T, true, false>(p, stream);
+  } else {
+    if (p.b_k_major) launch_sm80_kernel<T, false, true>(p, stream);
+    else launch_sm80_kernel<T, false, false>(p, stream);
+  }
+}
+
+}  // namespace fusedamp::gemm

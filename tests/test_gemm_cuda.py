@@ -1,0 +1,131 @@
+"""The CUDA gemm kernels against a float64 reference (skipped without a GPU; run by
+benchmarks/gpu_check.sh): every backend, shape, layout, dtype and epilogue."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusedamp.nn
+from fusedamp import _C, ops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SIZES = [1, 7, 8, 63, 64, 65, 127, 129, 1000, 4096]
+ACTIVATIONS = {"none": lambda z: z, "relu": F.relu, "gelu": F.gelu,
+               "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+
+
+def backends() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    major, minor = torch.cuda.get_device_capability()
+    names = ["reference"] + (["mma_sync", "auto"] if major >= 8 else [])
+    return names + (["wgmma"] if (major, minor) == (9, 0) else [])
+
+
+@pytest.fixture(params=backends())
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    previous = _C.set_gemm_backend(request.param)
+    yield request.param
+    _C.set_gemm_backend(previous)
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, a_t: bool, b_t: bool, integer: bool):
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
+
+    def rand(*shape: int) -> torch.Tensor:
+        if integer:
+            return torch.randint(-3, 4, shape, device="cuda", generator=g).to(dtype)
+        return torch.randn(shape, device="cuda", generator=g).to(dtype)
+
+    a = rand(k, m).t() if a_t else rand(m, k)
+    b = rand(n, k).t() if b_t else rand(k, n)
+    return a, b, rand(n)
+
+
+def poison_allocator() -> None:
+    """Fills freed cache blocks with NaN so an output element the kernel skips shows up."""
+    torch.cuda.synchronize()
+    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float16)
+    del junk
+
+
+# Sizes for M, N, K sampled to keep the run in minutes: every size appears in every position.
+SHAPES = sorted({(m, n, k) for m, n, k in zip(SIZES, SIZES[3:] + SIZES[:3], SIZES[6:] + SIZES[:6],
+                                               strict=True)}
+                | {(s, s, s) for s in SIZES if s <= 1000} | {(4096, 4096, 4096)})
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("a_t,b_t", list(itertools.product([False, True], repeat=2)))
+def test_error_no_worse_than_twice_torch(backend, m, n, k, dtype, a_t, b_t):
+    a, b, bias = make(m, n, k, dtype, a_t, b_t, integer=False)
+    for activation in ACTIVATIONS:
+        poison_allocator()
+        out, preact = ops.gemm_with_preactivation(a, b, bias, activation)
+        ref_z = a.double() @ b.double() + bias.double()
+        ref = ACTIVATIONS[activation](ref_z)
+        theirs = ACTIVATIONS[activation](torch.matmul(a, b) + bias)
+        assert not out.isnan().any() and not preact.isnan().any()
+        ours_err = (out.double() - ref).abs().max().item()
+        torch_err = (theirs.double() - ref).abs().max().item()
+        ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+        assert ours_err <= 2 * torch_err + ulp, (activation, ours_err, torch_err)
+        assert (preact.double() - ref_z).abs().max().item() <= 2 * torch_err + ulp
+
+
+@pytest.mark.parametrize("m,n,k", [(65, 129, 63), (1000, 4096, 127), (4096, 1000, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("a_t,b_t", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_integer_inputs_are_bitwise_exact(backend, m, n, k, dtype, a_t, b_t, out_dtype):
+    a, b, bias = make(m, n, k, dtype, a_t, b_t, integer=True)
+    poison_allocator()
+    out = ops.gemm(a, b, bias, out_dtype=out_dtype)
+    expected = (a.double() @ b.double() + bias.double()).to(out.dtype)
+    assert torch.equal(out, expected)
+
+
+def test_linear_gelu_forward_backward_on_gpu(backend):
+    torch.manual_seed(0)
+    layer = fusedamp.nn.Linear(1024, 4096, activation="gelu", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    x32 = x.detach().float().requires_grad_()
+    w32 = layer.weight.detach().float().requires_grad_()
+    y32 = F.gelu(F.linear(x32, w32, layer.bias.detach().float()))
+    torch.testing.assert_close(y.float(), y32, rtol=2e-2, atol=2e-2)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y32.backward(grad.float())
+    torch.testing.assert_close(x.grad.float(), x32.grad, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(layer.weight.grad.float(), w32.grad, rtol=5e-2, atol=5e-1)
+
+
+def test_routing_on_cuda_under_autocast(backend):
+    layer = torch.nn.Linear(256, 128, device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    with fusedamp.nn.fused_gemm_routing(), torch.autocast("cuda", dtype=torch.float16):
+        y = layer(x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), layer(x), rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_and_cuda_agree(backend):
+    a, b, bias = make(129, 65, 127, torch.bfloat16, False, True, integer=False)
+    cpu = ops.gemm(a.cpu(), b.cpu(), bias.cpu(), "gelu", torch.float32)
+    cuda = ops.gemm(a, b, bias, "gelu", torch.float32)
+    torch.testing.assert_close(cuda.cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_opcheck_cuda(keep):
+    a = torch.randn(64, 32, device="cuda", dtype=torch.float16, requires_grad=True)
+    b = torch.randn(16, 32, device="cuda", dtype=torch.float16).t().requires_grad_()
+    torch.library.opcheck(torch.ops.fusedamp.gemm.default, (a, b, None, "gelu", None, keep))
