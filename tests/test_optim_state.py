@@ -3,7 +3,9 @@ that loading produces, and switching master_weights on a live optimizer."""
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 from typing import Any
 
 import pytest
@@ -165,3 +167,15 @@ def test_switching_master_weights_keeps_the_fp32_master() -> None:
         assert "master_remainder" not in switched.state[param]
         assert torch.equal(kept_param.detach(), param.detach())
         assert torch.equal(kept.master_of(kept_param), switched.master_of(param))
+
+
+def test_deep_copies_and_pickles_keep_fusedamps_options() -> None:
+    params = make_model(torch.float16)
+    opt = FusedSGD(params, lr=0.1, momentum=0.9, max_grad_norm=0.5)
+    train(opt, params, range(2))
+    for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert clone.max_grad_norm == 0.5 and clone.last_grad_norm is None
+        clone_params = clone.param_groups[0]["params"]
+        train(clone, clone_params, range(2, 3))
+        assert clone.last_grad_norm is not None
+        assert clone.state[clone_params[3]]["master"].dtype == torch.float32

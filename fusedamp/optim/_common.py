@@ -174,8 +174,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     "(fused kernels read memory linearly)"
                 )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim pickles (and deep-copies) only defaults, state and param_groups.
+        return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("last_grad_norm", None)
+        self.__dict__.setdefault("_pending_clip_coef", None)
         # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
         for group in self.param_groups:
             for key, value in self.defaults.items():

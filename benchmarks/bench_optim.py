@@ -1,0 +1,232 @@
+"""FusedAdamW / FusedSGD steps against torch.optim (foreach, fused) for fp32 params and against
+PyTorch's O2 master-weight recipe for fp16/bf16 params, as fractions of copy bandwidth.
+
+Run from the repository root: python -m benchmarks.bench_optim [--device cpu] [--json PATH]
+
+Each step is timed plain and "scaled", as a GradScaler drives it (grad_scale and found_inf
+set; torch's foreach path unscales the grads first, as torch.amp.GradScaler does for it). A
+scaled fusedamp step either writes the unscaled grads back (the default) or not
+(write_unscaled_grads=False). Effective GB/s counts the bytes the job needs (DESIGN.md):
+AdamW reads p, g, m, v and writes p, m, v (28 B/param for fp32, and for half params with an
+fp32 master: g 2 + master 4 + m + v in, master + m + v + param 2 out); SGD with momentum
+needs 20 B/param; a grad write-back adds the grad's bytes. The O2 recipe moves more bytes for
+the same job (copy the half grads to fp32, fused step on the fp32 masters, copy them back).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import (
+    benchmark_args,
+    copy_peer,
+    environment,
+    format_table,
+    gigabytes_per_second,
+    stable_medians,
+    time_round_robin,
+    write_json,
+)
+from fusedamp.optim import FusedAdamW, FusedSGD
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TENSORS = 200
+DEFAULT_ELEMENTS = {"cpu": 16 << 20, "cuda": 256 << 20}
+# Bytes per param of each job without the grad write-back (see the module docstring).
+JOB_BYTES = {"adamw": 28, "sgd": 20}
+OPTIONS = {"adamw": {"lr": 1e-3}, "sgd": {"lr": 1e-3, "momentum": 0.9}}
+TORCH_CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+FUSED_CLASSES = {"adamw": FusedAdamW, "sgd": FusedSGD}
+# Targets on the dev CPU (the issue): fusedamp over its peer, fp32 and half params.
+TARGETS = {"torch fused": 1.1, "torch O2 recipe": 1.5}
+COPY, STREAM = "copy", "stream a.add_(x, alpha)"
+
+
+def param_sizes(total: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` odd sizes spread log-uniformly over three decades (a few large matrices, many
+    small ones, as in a model), adding up to about ``total``."""
+    rng = random.Random(seed)
+    weights = [10 ** rng.uniform(0.0, 3.0) for _ in range(count)]
+    scale = total / sum(weights)
+    return [max(int(w * scale), 1) | 1 for w in weights]
+
+
+class Steps:
+    """One dtype's params and grads, shared by all its peers (each keeps its own state)."""
+
+    def __init__(self, sizes: list[int], dtype: torch.dtype, device: str) -> None:
+        self.device = device
+        self.params = [torch.randn(n, device=device).to(dtype).requires_grad_() for n in sizes]
+        for param in self.params:
+            param.grad = torch.randn(param.shape, device=device).to(dtype)
+        self.grads = [p.grad for p in self.params]
+        # A scale of 1 keeps every grad as it is, while each scaled step still multiplies by it.
+        self.scale = torch.ones((), device=device)
+        self.found_inf = torch.zeros((), device=device)
+
+    def scaled(self, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        """opt.step() as a GradScaler with a fused-capable optimizer runs it."""
+
+        def step() -> None:
+            opt.grad_scale, opt.found_inf = self.scale, self.found_inf
+            opt.step()
+            del opt.grad_scale, opt.found_inf
+
+        return step
+
+    def fusedamp(self, kind: str, **options: Any) -> torch.optim.Optimizer:
+        return FUSED_CLASSES[kind](self.params, **OPTIONS[kind], **options)
+
+    def torch_peers(self, kind: str) -> dict[str, Callable[[], object]]:
+        torch_cls = TORCH_CLASSES[kind]
+        foreach = torch_cls(self.params, **OPTIONS[kind], foreach=True)
+        fused = torch_cls(self.params, **OPTIONS[kind], fused=True)
+        inv_scale = self.scale.double().reciprocal().float()
+
+        def foreach_scaled() -> None:
+            torch._amp_foreach_non_finite_check_and_unscale_(self.grads, self.found_inf, inv_scale)
+            foreach.step()
+
+        return {
+            "torch foreach": foreach.step,
+            "torch fused": fused.step,
+            "torch foreach, scaled": foreach_scaled,
+            "torch fused, scaled": self.scaled(fused),
+        }
+
+    def o2_recipe(self, kind: str) -> dict[str, Callable[[], object]]:
+        """PyTorch's way to master weights: fp32 copies of params and grads, fused step on those."""
+        masters = [p.detach().float().requires_grad_() for p in self.params]
+        for master in masters:
+            master.grad = torch.empty_like(master)
+        master_grads = [m.grad for m in masters]
+        half_params = [p.detach() for p in self.params]
+        opt = TORCH_CLASSES[kind](masters, **OPTIONS[kind], fused=True)
+
+        def recipe(step: Callable[[], object]) -> Callable[[], None]:
+            def run() -> None:
+                torch._foreach_copy_(master_grads, self.grads)
+                step()
+                torch._foreach_copy_(half_params, masters)
+
+            return run
+
+        return {"torch O2 recipe": recipe(opt.step), "torch O2 recipe, scaled": recipe(self.scaled(opt))}
+
+
+def peers_for(kind: str, dtype: torch.dtype, steps: Steps) -> dict[str, Callable[[], object]]:
+    ours = steps.fusedamp(kind)
+    no_write = steps.fusedamp(kind, write_unscaled_grads=False)
+    peers: dict[str, Callable[[], object]] = {
+        "fusedamp": ours.step,
+        "fusedamp, scaled": steps.scaled(ours),
+        "fusedamp, scaled, no grad write": steps.scaled(no_write),
+    }
+    if dtype == torch.bfloat16:
+        peers["fusedamp remainder"] = steps.fusedamp(kind, master_weights="remainder").step
+    peers.update(steps.torch_peers(kind) if dtype == torch.float32 else steps.o2_recipe(kind))
+    return peers
+
+
+def stream_peer(numel: int, device: str) -> tuple[Callable[[], object], int]:
+    """The in-place streaming ceiling a fused update can reach: a.add_(x, alpha) reads two fp32
+    tensors and writes one."""
+    a = torch.ones(numel, device=device)
+    x = torch.zeros(numel, device=device)  # a keeps its values; every element is still read and written
+    return (lambda: a.add_(x, alpha=0.5)), 3 * numel * 4
+
+
+def job_bytes(kind: str, peer: str, dtype: torch.dtype, numel: int) -> int:
+    writes_grads = "scaled" in peer and "no grad write" not in peer
+    return numel * (JOB_BYTES[kind] + (dtype.itemsize if writes_grads else 0))
+
+
+def reference_peer(peer: str, dtype: torch.dtype) -> dict[str, str]:
+    """The torch peers a fusedamp row is compared with (plain with plain, scaled with scaled)."""
+    suffix = ", scaled" if "scaled" in peer else ""
+    names = ["torch fused", "torch foreach"] if dtype == torch.float32 else ["torch O2 recipe"]
+    return {name: name + suffix for name in names}
+
+
+def main() -> None:
+    args = benchmark_args(__doc__.splitlines()[0])
+    device = args.device
+    numel_target = DEFAULT_ELEMENTS[torch.device(device).type]
+    sizes = param_sizes(numel_target, TENSORS)
+    numel = sum(sizes)
+    rows: list[dict[str, Any]] = []
+    for kind in ("adamw", "sgd"):
+        for dtype_name, dtype in DTYPES.items():
+            steps = Steps(sizes, dtype, device)
+            peers = peers_for(kind, dtype, steps)
+            peers[COPY], copy_bytes = copy_peer(numel * 4, device)
+            peers[STREAM], stream_bytes = stream_peer(numel, device)
+            seconds, kept = stable_medians(time_round_robin(peers, device, args.rounds))
+            copy_rate = gigabytes_per_second(copy_bytes, seconds[COPY])
+            stream_rate = gigabytes_per_second(stream_bytes, seconds[STREAM])
+            for peer, step_seconds in seconds.items():
+                if peer in (COPY, STREAM):
+                    continue
+                rate = gigabytes_per_second(job_bytes(kind, peer, dtype, numel), step_seconds)
+                row = {
+                    "optimizer": kind,
+                    "dtype": dtype_name,
+                    "peer": peer,
+                    "ms/step": step_seconds * 1e3,
+                    "GB/s": rate,
+                    "% copy": 100 * rate / copy_rate,
+                    "% stream": 100 * rate / stream_rate,
+                    "rounds kept": kept,
+                    "copy GB/s": copy_rate,
+                    "stream GB/s": stream_rate,
+                }
+                if peer.startswith("fusedamp"):
+                    row["speedup"] = {
+                        name: seconds[timed] / step_seconds
+                        for name, timed in reference_peer(peer, dtype).items()
+                        if timed in seconds
+                    }
+                    row["vs torch"] = ", ".join(f"{v:.2f}x {k}" for k, v in row["speedup"].items())
+                rows.append(row)
+            del steps, peers
+            print(f"{kind} {dtype_name}: done ({kept}/{args.rounds} rounds kept)", flush=True)
+
+    columns = ["optimizer", "dtype", "peer", "ms/step", "GB/s", "% copy", "% stream", "vs torch"]
+    print(f"\n{numel / 1e6:.1f}M params in {len(sizes)} tensors on {device}; copy and stream "
+          "bandwidth measured in the same rounds; GB/s = the job's bytes (module docstring) / time\n")
+    print(format_table(rows, columns))
+    checks = target_checks(rows)
+    for line in checks:
+        print(line)
+    write_json(args.json, {
+        "environment": environment(device),
+        "params": numel,
+        "tensors": len(sizes),
+        "rows": rows,
+        "targets": checks,
+    })
+
+
+def target_checks(rows: list[dict[str, Any]]) -> list[str]:
+    """Plain fusedamp steps against the issue's targets (fp32: torch fused; half: O2 recipe)."""
+    lines = []
+    for row in rows:
+        if row["peer"] != "fusedamp":
+            continue
+        for name, target in TARGETS.items():
+            if name in row["speedup"]:
+                speedup = row["speedup"][name]
+                verdict = "met" if speedup >= target else "MISSED"
+                lines.append(
+                    f"target {row['optimizer']} {row['dtype']}: {speedup:.2f}x {name} "
+                    f"(>= {target}x): {verdict}"
+                )
+    return lines
+
+
+if __name__ == "__main__":
+    main()
