@@ -147,7 +147,7 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
   TORCH_CHECK_VALUE(growth_interval > 0 && hysteresis > 0, "fusedamp: update_scale_: ",
                     "growth_interval and hysteresis must be positive, got ", growth_interval,
                     " and ", hysteresis);
-  const LossScaleConfig config{float(growth_factor), float(backoff_factor), int32_t(growth_interval),
+  const LossScaleConfig config{growth_factor, backoff_factor, int32_t(growth_interval),
                                int32_t(hysteresis), float(min_scale), float(max_scale)};
   update_loss_scale(*scale.data_ptr<float>(), *growth_tracker.data_ptr<int32_t>(),
                     *hysteresis_tracker.data_ptr<int32_t>(), read_scalar(found_inf), config);

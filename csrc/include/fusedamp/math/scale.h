@@ -6,8 +6,8 @@
 namespace fusedamp {
 
 struct LossScaleConfig {
-  float growth_factor;     // > 1
-  float backoff_factor;    // < 1
+  double growth_factor;    // > 1; double, as torch multiplies the fp32 scale by the double factor
+  double backoff_factor;   // < 1  and rounds once (a factor rounded to fp32 first can be an ulp off)
   int32_t growth_interval; // clean steps in a row before the scale grows
   int32_t hysteresis;      // overflows tolerated before backing off; 1 = torch's behaviour
   float min_scale;         // backoff never goes below this (0 = unbounded)
@@ -29,7 +29,7 @@ FUSEDAMP_HOST_DEVICE void update_loss_scale(float& scale, int32_t& growth_tracke
     growth_tracker = 0;
     hysteresis_left = hysteresis_left > 1 ? hysteresis_left - 1 : 0;
     if (hysteresis_left == 0) {
-      const float backed_off = scale * config.backoff_factor;
+      const float backed_off = float(double(scale) * config.backoff_factor);
       scale = backed_off > config.min_scale ? backed_off : config.min_scale;
     }
     return;
@@ -39,7 +39,7 @@ FUSEDAMP_HOST_DEVICE void update_loss_scale(float& scale, int32_t& growth_tracke
     growth_tracker = successful;
     return;
   }
-  const float grown = scale * config.growth_factor;
+  const float grown = float(double(scale) * config.growth_factor);
   const float bounded = grown < config.max_scale ? grown : config.max_scale;
   // Growing must never produce inf: keep the old scale then (torch does the same).
   if (!is_non_finite(bounded)) scale = bounded;
