@@ -124,6 +124,27 @@ void def_gemm_tile_hooks(py::module_& m) {
   }, "The epilogue activation (0 none, 1 relu, 2 gelu, 3 gelu_tanh) on the host.");
   m.def("gemm_wgmma_descriptor", &g::wgmma_descriptor, py::arg("address"), py::arg("leading"),
         py::arg("stride"), "The wgmma smem descriptor of a 128B-swizzled operand.");
+// (launch, slot, tensor, begin, count) for every block, as the CUDA kernels find their work:
+// from the per-slot ranges of each launch, looked up by block index with locate_chunk.
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> locate_chunks_for_test(
+    const std::vector<int64_t>& numels, int64_t chunk_size, int32_t max_tensors, int32_t max_blocks) {
+  TORCH_CHECK_VALUE(chunk_size > 0 && max_tensors > 0 && max_blocks > 0,
+                    "locate_chunks: chunk_size, max_tensors and max_blocks must be positive");
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> blocks;
+  const auto launches = fusedamp::plan_launches(numels, chunk_size, max_tensors, max_blocks);
+  for (size_t l = 0; l < launches.size(); ++l) {
+    const auto& launch = launches[l];
+    const fusedamp::SlotRanges ranges = fusedamp::slot_ranges(launch);
+    std::vector<int64_t> slot_numels;
+    for (const int64_t tensor : launch.tensors) slot_numels.push_back(numels[tensor]);
+    for (int32_t b = 0; b < int32_t(launch.block_slot.size()); ++b) {
+      const fusedamp::ChunkLocation chunk = fusedamp::locate_chunk(
+          ranges.first_block.data(), ranges.first_chunk.data(), slot_numels.data(),
+          int32_t(launch.tensors.size()), b, chunk_size);
+      blocks.emplace_back(int64_t(l), chunk.slot, launch.tensors[chunk.slot], chunk.begin, chunk.count);
+    }
+  }
+  return blocks;
 }
 
 }  // namespace
@@ -141,6 +162,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_gemm_backend", &fusedamp::gemm::set_backend, py::arg("name"),
         "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
   def_gemm_tile_hooks(m);
+  m.def("locate_chunks", &locate_chunks_for_test, py::arg("numels"), py::arg("chunk_size"),
+        py::arg("max_tensors"), py::arg("max_blocks"),
+        "Each block's work as the CUDA kernels find it: (launch, slot, tensor, begin, count).");
 #ifdef FUSEDAMP_WITH_CUDA
   m.attr("cuda_compiled") = true;
 #else

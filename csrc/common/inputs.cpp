@@ -139,4 +139,79 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
   return call;
 }
 
+void check_unscale_args(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_grad_list(grads, found_inf, "unscale_");
+  check_scalar_tensor(inv_scale, "unscale_: inv_scale", found_inf.device());
+}
+
+void check_check_and_norm_args(at::TensorList grads, const at::Tensor& found_inf,
+                               const c10::optional<at::Tensor>& sum_of_squares,
+                               const c10::optional<at::Tensor>& inv_scale) {
+  check_grad_list(grads, found_inf, "check_and_norm_");
+  if (sum_of_squares) {
+    check_scalar_tensor(*sum_of_squares, "check_and_norm_: sum_of_squares", found_inf.device());
+  }
+  if (inv_scale) check_scalar_tensor(*inv_scale, "check_and_norm_: inv_scale", found_inf.device());
+}
+
+LossScaleConfig check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                        const at::Tensor& hysteresis_tracker,
+                                        const at::Tensor& found_inf, double growth_factor,
+                                        double backoff_factor, int64_t growth_interval,
+                                        int64_t hysteresis, double min_scale, double max_scale) {
+  check_scalar_tensor(scale, "update_scale_: scale", scale.device());
+  check_scalar_tensor(found_inf, "update_scale_: found_inf", scale.device());
+  for (const auto& [tracker, name] : {std::pair{&growth_tracker, "growth_tracker"},
+                                      std::pair{&hysteresis_tracker, "hysteresis_tracker"}}) {
+    TORCH_CHECK_TYPE(tracker->scalar_type() == at::kInt && tracker->numel() == 1, "fusedamp: ",
+                     "update_scale_: ", name, " must be a one-element int32 tensor, got ",
+                     tracker->scalar_type(), " of shape ", tracker->sizes());
+    TORCH_CHECK(tracker->device() == scale.device(), "fusedamp: update_scale_: ", name, " is on ",
+                tracker->device(), " but scale is on ", scale.device(), "; move it there");
+  }
+  TORCH_CHECK_VALUE(growth_interval > 0 && hysteresis > 0, "fusedamp: update_scale_: ",
+                    "growth_interval and hysteresis must be positive, got ", growth_interval,
+                    " and ", hysteresis);
+  return {growth_factor, backoff_factor, int32_t(growth_interval),
+          int32_t(hysteresis), float(min_scale), float(max_scale)};
+}
+
+OptimizerCall check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                               at::TensorList masters, at::TensorList steps, double lr,
+                               const c10::optional<at::Tensor>& lr_tensor, double beta1,
+                               double beta2, double eps, double weight_decay, bool amsgrad,
+                               const c10::optional<at::Tensor>& inv_grad_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& clip_coef) {
+  const OptimizerCall call = check_optimizer_call(
+      "adamw_", params, grads,
+      {{exp_avgs, "exp_avgs", true}, {exp_avg_sqs, "exp_avg_sqs", true},
+       {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad}},
+      masters, steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
+  for (auto [value, name] : {std::pair{lr, "lr"}, {beta1, "beta1"}, {beta2, "beta2"},
+                             {eps, "eps"}, {weight_decay, "weight_decay"}}) {
+    check_hyperparameter(value, name, "adamw_");
+  }
+  return call;
+}
+
+OptimizerCall check_sgd_args(at::TensorList params, at::TensorList grads,
+                             at::TensorList momentum_buffers, at::TensorList masters,
+                             at::TensorList steps, double lr,
+                             const c10::optional<at::Tensor>& lr_tensor, double momentum,
+                             double dampening, double weight_decay,
+                             const c10::optional<at::Tensor>& inv_grad_scale,
+                             const c10::optional<at::Tensor>& found_inf,
+                             const c10::optional<at::Tensor>& clip_coef) {
+  const OptimizerCall call = check_optimizer_call(
+      "sgd_", params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters,
+      steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
+  for (auto [value, name] : {std::pair{lr, "lr"}, {momentum, "momentum"},
+                             {dampening, "dampening"}, {weight_decay, "weight_decay"}}) {
+    check_hyperparameter(value, name, "sgd_");
+  }
+  return call;
+}
+
 }  // namespace fusedamp

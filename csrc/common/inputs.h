@@ -7,6 +7,7 @@
 
 #include "fusedamp/math/dtypes.h"
 #include "fusedamp/math/master.h"
+#include "fusedamp/math/scale.h"
 
 namespace fusedamp {
 
@@ -44,5 +45,40 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
                                    const c10::optional<at::Tensor>& clip_coef);
 
 void check_hyperparameter(double value, const char* name, const char* op);
+
+// The complete argument checks of each op: every backend calls the one of its op first.
+void check_unscale_args(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
+void check_check_and_norm_args(at::TensorList grads, const at::Tensor& found_inf,
+                               const c10::optional<at::Tensor>& sum_of_squares,
+                               const c10::optional<at::Tensor>& inv_scale);
+// Returns the configuration update_loss_scale takes.
+LossScaleConfig check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                        const at::Tensor& hysteresis_tracker,
+                                        const at::Tensor& found_inf, double growth_factor,
+                                        double backoff_factor, int64_t growth_interval,
+                                        int64_t hysteresis, double min_scale, double max_scale);
+OptimizerCall check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                               at::TensorList masters, at::TensorList steps, double lr,
+                               const c10::optional<at::Tensor>& lr_tensor, double beta1,
+                               double beta2, double eps, double weight_decay, bool amsgrad,
+                               const c10::optional<at::Tensor>& inv_grad_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& clip_coef);
+OptimizerCall check_sgd_args(at::TensorList params, at::TensorList grads,
+                             at::TensorList momentum_buffers, at::TensorList masters,
+                             at::TensorList steps, double lr,
+                             const c10::optional<at::Tensor>& lr_tensor, double momentum,
+                             double dampening, double weight_decay,
+                             const c10::optional<at::Tensor>& inv_grad_scale,
+                             const c10::optional<at::Tensor>& found_inf,
+                             const c10::optional<at::Tensor>& clip_coef);
+
+// Whether an optimizer step writes the grad it used back into grads: when the caller asks and
+// the step changed it (unscaled or clipped); otherwise the write would only cost bandwidth.
+inline bool step_writes_grad(bool write_unscaled_grads, const c10::optional<at::Tensor>& inv_grad_scale,
+                             const c10::optional<at::Tensor>& clip_coef) {
+  return write_unscaled_grads && (inv_grad_scale.has_value() || clip_coef.has_value());
+}
 
 }  // namespace fusedamp

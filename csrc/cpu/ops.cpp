@@ -90,8 +90,7 @@ void for_each_chunk(const std::vector<ChunkTask>& tasks, const std::vector<int64
 float read_scalar(const at::Tensor& t) { return *t.data_ptr<float>(); }
 
 void unscale_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  check_grad_list(grads, found_inf, "unscale_");
-  check_scalar_tensor(inv_scale, "unscale_: inv_scale", found_inf.device());
+  check_unscale_args(grads, found_inf, inv_scale);
   const float inv = read_scalar(inv_scale);
   const KernelTable& table = kernels();
   const std::vector<int64_t> numels = numels_of(grads);
@@ -107,9 +106,7 @@ void unscale_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Te
 void check_and_norm_cpu(at::TensorList grads, const at::Tensor& found_inf,
                         const c10::optional<at::Tensor>& sum_of_squares,
                         const c10::optional<at::Tensor>& inv_scale) {
-  check_grad_list(grads, found_inf, "check_and_norm_");
-  if (sum_of_squares) check_scalar_tensor(*sum_of_squares, "check_and_norm_: sum_of_squares", found_inf.device());
-  if (inv_scale) check_scalar_tensor(*inv_scale, "check_and_norm_: inv_scale", found_inf.device());
+  check_check_and_norm_args(grads, found_inf, sum_of_squares, inv_scale);
   const float multiplier = inv_scale ? read_scalar(*inv_scale) : 1.0f;
   const KernelTable& table = kernels();
   const std::vector<int64_t> numels = numels_of(grads);
@@ -136,19 +133,9 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval,
                       int64_t hysteresis, double min_scale, double max_scale) {
-  check_scalar_tensor(scale, "update_scale_: scale", scale.device());
-  check_scalar_tensor(found_inf, "update_scale_: found_inf", scale.device());
-  for (const auto& [tracker, name] : {std::pair{&growth_tracker, "growth_tracker"},
-                                      std::pair{&hysteresis_tracker, "hysteresis_tracker"}}) {
-    TORCH_CHECK_TYPE(tracker->scalar_type() == at::kInt && tracker->numel() == 1, "fusedamp: ",
-                     "update_scale_: ", name, " must be a one-element int32 tensor, got ",
-                     tracker->scalar_type(), " of shape ", tracker->sizes());
-  }
-  TORCH_CHECK_VALUE(growth_interval > 0 && hysteresis > 0, "fusedamp: update_scale_: ",
-                    "growth_interval and hysteresis must be positive, got ", growth_interval,
-                    " and ", hysteresis);
-  const LossScaleConfig config{growth_factor, backoff_factor, int32_t(growth_interval),
-                               int32_t(hysteresis), float(min_scale), float(max_scale)};
+  const LossScaleConfig config = check_update_scale_args(
+      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
+      growth_interval, hysteresis, min_scale, max_scale);
   update_loss_scale(*scale.data_ptr<float>(), *growth_tracker.data_ptr<int32_t>(),
                     *hysteresis_tracker.data_ptr<int32_t>(), read_scalar(found_inf), config);
 }
@@ -169,8 +156,7 @@ StepScalars step_scalars(double lr, const c10::optional<at::Tensor>& lr_tensor,
   s.skip = found_inf && read_scalar(*found_inf) > 0.0f;
   s.grad_multiplier = (inv_grad_scale ? read_scalar(*inv_grad_scale) : 1.0f) *
                       (clip_coef ? read_scalar(*clip_coef) : 1.0f);
-  // Writing the grad back only matters when the step changed it.
-  s.write_grad = write_unscaled_grads && (inv_grad_scale || clip_coef);
+  s.write_grad = step_writes_grad(write_unscaled_grads, inv_grad_scale, clip_coef);
   s.lr = lr_tensor ? double(read_scalar(*lr_tensor)) : lr;
   return s;
 }
@@ -184,15 +170,10 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool maximize, const c10::optional<at::Tensor>& inv_grad_scale,
                const c10::optional<at::Tensor>& found_inf,
                const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
-  const OptimizerCall call = check_optimizer_call(
-      "adamw_", params, grads,
-      {{exp_avgs, "exp_avgs", true}, {exp_avg_sqs, "exp_avg_sqs", true},
-       {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad}},
-      masters, steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
-  for (auto [value, name] : {std::pair{lr, "lr"}, {beta1, "beta1"}, {beta2, "beta2"},
-                             {eps, "eps"}, {weight_decay, "weight_decay"}}) {
-    check_hyperparameter(value, name, "adamw_");
-  }
+  const OptimizerCall call = check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                              masters, steps, lr, lr_tensor, beta1, beta2, eps,
+                                              weight_decay, amsgrad, inv_grad_scale, found_inf,
+                                              clip_coef);
   const StepScalars s = step_scalars(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads);
   if (s.skip || params.empty()) return;
 
@@ -223,13 +204,9 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentu
              const c10::optional<at::Tensor>& inv_grad_scale,
              const c10::optional<at::Tensor>& found_inf,
              const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
-  const OptimizerCall call = check_optimizer_call(
-      "sgd_", params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters,
-      steps, lr_tensor, inv_grad_scale, found_inf, clip_coef);
-  for (auto [value, name] : {std::pair{lr, "lr"}, {momentum, "momentum"},
-                             {dampening, "dampening"}, {weight_decay, "weight_decay"}}) {
-    check_hyperparameter(value, name, "sgd_");
-  }
+  const OptimizerCall call = check_sgd_args(params, grads, momentum_buffers, masters, steps, lr,
+                                            lr_tensor, momentum, dampening, weight_decay,
+                                            inv_grad_scale, found_inf, clip_coef);
   const StepScalars s = step_scalars(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads);
   if (s.skip || params.empty()) return;
 

@@ -7,6 +7,8 @@
 
 #include <vector>
 
+#include "fusedamp/macros.h"
+
 namespace fusedamp {
 
 // One unit of work: elements [chunk * chunk_size, min(numel, (chunk + 1) * chunk_size)) of
@@ -60,6 +62,52 @@ inline std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels
   }
   if (!current.block_slot.empty()) launches.push_back(std::move(current));
   return launches;
+}
+
+// The compact form of a LaunchBatch that a CUDA kernel receives. A slot's blocks are consecutive
+// and work on consecutive chunks, so two numbers per slot replace a per-block table, and the
+// number of blocks in one launch is no longer bounded by the size of the kernel parameters.
+struct SlotRanges {
+  std::vector<int32_t> first_block;  // index in the launch of the slot's first block
+  std::vector<int64_t> first_chunk;  // the chunk of its tensor that block works on
+};
+
+inline SlotRanges slot_ranges(const LaunchBatch& launch) {
+  SlotRanges ranges;
+  for (size_t b = 0; b < launch.block_slot.size(); ++b) {
+    if (b == 0 || launch.block_slot[b] != launch.block_slot[b - 1]) {
+      ranges.first_block.push_back(int32_t(b));
+      ranges.first_chunk.push_back(launch.block_chunk[b]);
+    }
+  }
+  return ranges;
+}
+
+// Elements [begin, begin + count) of the tensor in `slot`.
+struct ChunkLocation {
+  int32_t slot;
+  int64_t begin;
+  int64_t count;
+};
+
+// The work of block `block` of a launch described by slot_ranges (arrays of `slots` entries):
+// the last slot starting at or before the block, found by binary search.
+FUSEDAMP_HOST_DEVICE ChunkLocation locate_chunk(const int32_t* first_block, const int64_t* first_chunk,
+                                                const int64_t* numels, int32_t slots, int32_t block,
+                                                int64_t chunk_size) {
+  int32_t low = 0;
+  int32_t high = slots - 1;
+  while (low < high) {
+    const int32_t middle = (low + high + 1) / 2;
+    if (first_block[middle] <= block) {
+      low = middle;
+    } else {
+      high = middle - 1;
+    }
+  }
+  const int64_t begin = (first_chunk[low] + (block - first_block[low])) * chunk_size;
+  const int64_t left = numels[low] - begin;
+  return {low, begin, left < chunk_size ? left : chunk_size};
 }
 
 }  // namespace fusedamp

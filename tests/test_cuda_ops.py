@@ -1,0 +1,560 @@
+"""The CUDA kernels against the CPU backend (the reference) and plain float64 torch math.
+
+Every test builds its inputs on CPU, runs the op on a CPU copy and a CUDA copy, and compares.
+Values computed with one fp32 multiply (unscaled grads, steps, found_inf) must match bitwise;
+optimizer states may differ by a few fp32 ulps (nvcc contracts a * b + c into FMAs), and half
+params by one ulp of their dtype (rounding the fp32 master that differs by an ulp).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import fusedamp.ops as ops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = "cuda"
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# One block covers 65536 elements: 65537 takes two, the second with one element.
+SIZES = [1, 7, 65537]
+# Empty tensors first, last, consecutive and between non-empty ones.
+SIZES_WITH_EMPTY = [0, 1, 0, 0, 7, 65537, 0]
+TOLERANCE = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-5},
+}
+
+
+def randn(size: int, dtype: torch.dtype, generator: torch.Generator, offset: int = 0) -> torch.Tensor:
+    """A CPU tensor of `size` normal values; with `offset`, a view that starts `offset` elements
+    into its storage, so that the CUDA copy is misaligned for vector accesses."""
+    storage = torch.randn(size + offset, generator=generator).to(dtype)
+    return storage[offset:]
+
+
+def to_device(tensors: list[torch.Tensor], device: str, offset: int = 0) -> list[torch.Tensor]:
+    """Copies keeping the storage offset of each CPU view (so misalignment carries over)."""
+    copies = []
+    for t in tensors:
+        storage = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)
+        copies.append(storage[offset:].view(t.shape).copy_(t))
+    return copies
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal values (NaN payloads and the sign of zero aside), compared on CPU."""
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=0, atol=0, equal_nan=True)
+
+
+def assert_bits_unchanged(after: list[torch.Tensor], before: list[torch.Tensor]) -> None:
+    for a, b in zip(after, before, strict=True):
+        assert torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), **TOLERANCE[expected.dtype])
+
+
+# --- unscale_ -----------------------------------------------------------------------------
+
+
+def grads_of(
+    dtypes: list[torch.dtype], sizes: list[int], seed: int = 0, offset: int = 0
+) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [randn(size, dtype, generator, offset) * 100 for size, dtype in zip(sizes, dtypes, strict=True)]
+
+
+def run_unscale(grads: list[torch.Tensor], inv_scale: float, found: float = 0.0, offset: int = 0):
+    """unscale_ on CPU copies and CUDA copies of `grads`; returns ((grads, found_inf) per device)."""
+    results = []
+    for device in ("cpu", CUDA):
+        copies = to_device(grads, device, offset)
+        found_inf = torch.tensor(found, device=device)
+        ops.unscale_(copies, found_inf, torch.tensor(inv_scale, device=device))
+        results.append((copies, found_inf))
+    return results
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_unscale_matches_cpu_and_torch(dtype: torch.dtype, offset: int) -> None:
+    grads = grads_of([dtype] * len(SIZES_WITH_EMPTY), SIZES_WITH_EMPTY, offset=offset)
+    (cpu, cpu_found), (cuda, cuda_found) = run_unscale(grads, 0.3, offset=offset)
+    for g, c, u in zip(grads, cpu, cuda, strict=True):
+        assert_same(u, c)
+        assert_same(u, (g.float() * torch.tensor(0.3)).to(dtype))
+    assert cuda_found.item() == cpu_found.item() == 0.0
+
+
+def test_unscale_mixed_dtypes_and_many_tiny_tensors() -> None:
+    generator = torch.Generator().manual_seed(1)
+    sizes = torch.randint(0, 21, (1000,), generator=generator).tolist()
+    dtypes = [FLOAT_DTYPES[i % 3] for i in range(1000)]
+    grads = grads_of(dtypes, sizes, seed=2) + grads_of(FLOAT_DTYPES, [65537, 3, 65536], seed=3)
+    (cpu, _), (cuda, found) = run_unscale(grads, 2.0**-7)
+    for c, u in zip(cpu, cuda, strict=True):
+        assert_same(u, c)
+    assert found.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("where", [(1, 0), (5, 65536), (5, 30000), (4, 6)])
+def test_unscale_finds_non_finite(dtype: torch.dtype, bad: float, where: tuple[int, int]) -> None:
+    grads = grads_of([dtype] * len(SIZES_WITH_EMPTY), SIZES_WITH_EMPTY)
+    tensor, index = where
+    grads[tensor][index] = bad
+    (cpu, cpu_found), (cuda, cuda_found) = run_unscale(grads, 0.5)
+    assert cuda_found.item() == cpu_found.item() == 1.0
+    for c, u in zip(cpu, cuda, strict=True):
+        assert_same(u, c)
+
+
+def test_unscale_leaves_found_inf_as_it_was_when_finite() -> None:
+    grads = grads_of([torch.float16, torch.float32], [100, 100])
+    (_, cpu_found), (_, cuda_found) = run_unscale(grads, 0.5, found=3.0)
+    assert cuda_found.item() == cpu_found.item() == 3.0
+
+
+def test_unscale_runs_on_the_current_stream() -> None:
+    grad = torch.ones(1 << 20, device=CUDA)
+    found_inf, inv_scale = torch.zeros((), device=CUDA), torch.tensor(0.5, device=CUDA)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        # If unscale_ ran on another stream it would finish before the fill, leaving 2.0.
+        torch.cuda._sleep(50_000_000)
+        grad.fill_(2.0)
+        ops.unscale_([grad], found_inf, inv_scale)
+    torch.cuda.synchronize()
+    assert torch.all(grad == 1.0)
+
+
+@pytest.mark.large
+def test_unscale_tensor_larger_than_2_pow_31_elements() -> None:
+    numel = 2**31 + 1000
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs 12 GB of free GPU memory")
+    grad = torch.full((numel,), 3.0, dtype=torch.float16, device=CUDA)
+    grad[-1] = 5.0
+    grad[2**31 - 1] = 7.0
+    found_inf = torch.zeros((), device=CUDA)
+    ops.unscale_([grad], found_inf, torch.tensor(0.5, device=CUDA))
+    assert found_inf.item() == 0.0
+    assert grad[-1].item() == 2.5
+    assert grad[2**31 - 1].item() == 3.5
+    assert torch.all(grad[-1000:-1] == 1.5) and torch.all(grad[2**31 - 2000 : 2**31 - 1] == 1.5)
+    assert torch.all(grad[:1000] == 1.5)
+    grad[-1] = math.inf
+    ops.unscale_([grad], found_inf, torch.tensor(1.0, device=CUDA))
+    assert found_inf.item() == 1.0
+
+
+# --- check_and_norm_ ----------------------------------------------------------------------
+
+
+def run_check(grads: list[torch.Tensor], device: str, inv_scale: float | None, start: float = 0.0):
+    copies = to_device(grads, device)
+    found_inf = torch.zeros((), device=device)
+    sum_of_squares = torch.tensor(start, device=device)
+    inv = None if inv_scale is None else torch.tensor(inv_scale, device=device)
+    ops.check_and_norm_(copies, found_inf, sum_of_squares, inv)
+    assert_bits_unchanged(copies, grads)
+    return found_inf, sum_of_squares
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("inv_scale", [None, 2.0**-10, 0.3])
+def test_check_and_norm_matches_cpu_and_float64(dtype: torch.dtype, inv_scale: float | None) -> None:
+    grads = grads_of([dtype] * len(SIZES_WITH_EMPTY), SIZES_WITH_EMPTY)
+    cpu_found, cpu_sum = run_check(grads, "cpu", inv_scale, start=1.5)
+    cuda_found, cuda_sum = run_check(grads, CUDA, inv_scale, start=1.5)
+    multiplier = 1.0 if inv_scale is None else inv_scale
+    reference = 1.5 + sum(float((g.double() * multiplier).square().sum()) for g in grads)
+    assert cuda_found.item() == cpu_found.item() == 0.0
+    assert cuda_sum.item() == pytest.approx(cpu_sum.item(), rel=1e-5)
+    assert cuda_sum.item() == pytest.approx(reference, rel=1e-5)
+
+
+def test_check_and_norm_is_bitwise_reproducible() -> None:
+    generator = torch.Generator().manual_seed(4)
+    sizes = torch.randint(0, 300_000, (60,), generator=generator).tolist() + [0, 5] * 300
+    grads = grads_of([FLOAT_DTYPES[i % 3] for i in range(len(sizes))], sizes, seed=5)
+    first = run_check(grads, CUDA, 0.25)[1]
+    second = run_check(grads, CUDA, 0.25)[1]
+    assert torch.equal(bits(first.cpu()), bits(second.cpu()))
+    assert first.item() == pytest.approx(run_check(grads, "cpu", 0.25)[1].item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_check_and_norm_finds_non_finite(bad: float, with_sum: bool) -> None:
+    for tensor, index in [(1, 0), (5, 65536), (4, 3)]:
+        grads = grads_of([torch.bfloat16] * len(SIZES_WITH_EMPTY), SIZES_WITH_EMPTY)
+        grads[tensor][index] = bad
+        found_inf = torch.zeros((), device=CUDA)
+        sum_of_squares = torch.zeros((), device=CUDA) if with_sum else None
+        ops.check_and_norm_(to_device(grads, CUDA), found_inf, sum_of_squares, None)
+        assert found_inf.item() == 1.0
+
+
+# --- update_scale_ ------------------------------------------------------------------------
+
+
+def test_update_scale_matches_cpu_step_by_step() -> None:
+    states = {
+        device: (
+            torch.tensor(2.0**16, device=device),
+            torch.zeros((), dtype=torch.int32, device=device),
+            torch.tensor(2, dtype=torch.int32, device=device),
+        )
+        for device in ("cpu", CUDA)
+    }
+    found_sequence = [0, 0, 0, 1, 0, 2, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    for found in found_sequence:
+        for device, (scale, growth, hysteresis) in states.items():
+            ops.update_scale_(
+                scale,
+                growth,
+                hysteresis,
+                torch.tensor(float(found), device=device),
+                4.0,
+                0.25,
+                3,
+                hysteresis=2,
+                min_scale=2.0**10,
+                max_scale=2.0**20,
+            )
+        for cpu_value, cuda_value in zip(states["cpu"], states[CUDA], strict=True):
+            assert torch.equal(cuda_value.cpu(), cpu_value)
+
+
+# --- optimizers ---------------------------------------------------------------------------
+
+# (param dtype, grad dtype, masters): every master kind, and grads of another dtype than params.
+OPTIMIZER_CONFIGS = [
+    (torch.float32, torch.float32, None),
+    (torch.float16, torch.float16, None),
+    (torch.float16, torch.float16, "fp32"),
+    (torch.bfloat16, torch.bfloat16, None),
+    (torch.bfloat16, torch.bfloat16, "fp32"),
+    (torch.bfloat16, torch.bfloat16, "remainder"),
+    (torch.bfloat16, torch.float32, "fp32"),
+    (torch.float32, torch.bfloat16, None),
+]
+
+
+def optimizer_tensors(config: tuple, sizes: list[int], n_states: int, seed: int) -> dict[str, list]:
+    """CPU tensors for one optimizer call: params, grads, masters, `n_states` fp32 states, steps."""
+    param_dtype, grad_dtype, master = config
+    generator = torch.Generator().manual_seed(seed)
+    masters_fp32 = [randn(size, torch.float32, generator) for size in sizes]
+    params = [m.to(param_dtype) for m in masters_fp32]
+    if master == "fp32":
+        masters = masters_fp32
+    elif master == "remainder":
+        masters = [
+            torch.randint(-(2**15), 2**15, (size,), generator=generator, dtype=torch.int16) for size in sizes
+        ]
+    else:
+        masters = []
+    return {
+        "params": params,
+        "grads": [randn(size, grad_dtype, generator) for size in sizes],
+        "masters": masters,
+        "states": [[randn(size, torch.float32, generator).abs() for size in sizes] for _ in range(n_states)],
+        "steps": [torch.tensor(float(i % 4)) for i in range(len(sizes))],
+    }
+
+
+def copy_tensors(tensors: dict[str, list], device: str, offset: int = 0) -> dict[str, list]:
+    return {
+        key: [to_device(v, device, offset) for v in value]
+        if key == "states"
+        else to_device(value, device, offset)
+        for key, value in tensors.items()
+    }
+
+
+def flat_tensors(tensors: dict[str, list]) -> list[torch.Tensor]:
+    return [t for key, value in tensors.items() for t in (sum(value, []) if key == "states" else value)]
+
+
+def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master a bf16 param and its int16 remainder encode (math/master.h)."""
+    high = bits(param.cpu()).to(torch.int64) & 0xFFFF
+    combined = ((high << 16) + remainder.cpu().to(torch.int64)) & 0xFFFFFFFF
+    return torch.where(combined >= 2**31, combined - 2**32, combined).to(torch.int32).view(torch.float32)
+
+
+def assert_optimizer_results_match(cuda: dict[str, list], cpu: dict[str, list], master: str | None) -> None:
+    for key in ("params", "masters"):
+        for u, c in zip(cuda[key], cpu[key], strict=True):
+            if key == "masters" and master == "remainder":
+                continue
+            assert_close(u, c)
+    if master == "remainder":
+        for up, ur, cp, cr in zip(
+            cuda["params"], cuda["masters"], cpu["params"], cpu["masters"], strict=True
+        ):
+            assert_close(join_remainder(up, ur), join_remainder(cp, cr))
+    if master == "fp32":
+        # The param is always its master rounded to nearest even.
+        for p, m in zip(cuda["params"], cuda["masters"], strict=True):
+            assert torch.equal(bits(p.cpu()), bits(m.cpu().to(p.dtype)))
+    for u_list, c_list in zip(cuda["states"], cpu["states"], strict=True):
+        for u, c in zip(u_list, c_list, strict=True):
+            assert_close(u, c)
+    for key in ("grads", "steps"):
+        for u, c in zip(cuda[key], cpu[key], strict=True):
+            assert_same(u, c)
+
+
+def scalar_inputs(device: str, lr_kind: str, inv: float | None, clip: float | None, found: float | None):
+    lr: float | torch.Tensor = 1e-2
+    if lr_kind == "cuda":
+        lr = torch.tensor(1e-2, device=device)
+    elif lr_kind == "cpu":
+        lr = torch.tensor(1e-2)
+
+    def optional(value: float | None) -> torch.Tensor | None:
+        return None if value is None else torch.tensor(value, device=device)
+
+    return lr, optional(inv), optional(clip), optional(found)
+
+
+def run_adamw(
+    tensors: dict[str, list],
+    device: str,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    lr_kind: str = "float",
+    inv: float | None = None,
+    clip: float | None = None,
+    found: float | None = None,
+    write: bool = True,
+    weight_decay: float = 0.1,
+    offset: int = 0,
+    steps: int = 1,
+) -> dict[str, list]:
+    t = copy_tensors(tensors, device, offset)
+    lr, inv_t, clip_t, found_t = scalar_inputs(device, lr_kind, inv, clip, found)
+    exp_avgs, exp_avg_sqs, max_exp_avg_sqs = t["states"]
+    for _ in range(steps):
+        ops.adamw_(
+            t["params"],
+            t["grads"],
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs if amsgrad else [],
+            t["masters"],
+            t["steps"],
+            lr=lr,
+            beta1=0.8,
+            beta2=0.95,
+            eps=1e-6,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            inv_grad_scale=inv_t,
+            found_inf=found_t,
+            clip_coef=clip_t,
+            write_unscaled_grads=write,
+        )
+    return t
+
+
+def run_sgd(
+    tensors: dict[str, list],
+    device: str,
+    *,
+    momentum: float = 0.9,
+    dampening: float = 0.1,
+    nesterov: bool = False,
+    maximize: bool = False,
+    lr_kind: str = "float",
+    inv: float | None = None,
+    clip: float | None = None,
+    found: float | None = None,
+    write: bool = True,
+    weight_decay: float = 0.01,
+    offset: int = 0,
+    steps: int = 1,
+) -> dict[str, list]:
+    t = copy_tensors(tensors, device, offset)
+    lr, inv_t, clip_t, found_t = scalar_inputs(device, lr_kind, inv, clip, found)
+    buffers = t["states"][0] if momentum != 0.0 else []
+    for _ in range(steps):
+        ops.sgd_(
+            t["params"],
+            t["grads"],
+            buffers,
+            t["masters"],
+            t["steps"],
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            inv_grad_scale=inv_t,
+            found_inf=found_t,
+            clip_coef=clip_t,
+            write_unscaled_grads=write,
+        )
+    return t
+
+
+OptimizerRun = Callable[..., dict[str, list]]
+OPTIMIZERS: dict[str, tuple[OptimizerRun, int]] = {"adamw": (run_adamw, 3), "sgd": (run_sgd, 1)}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("config", OPTIMIZER_CONFIGS)
+def test_optimizer_matches_cpu(optimizer: str, config: tuple) -> None:
+    run, n_states = OPTIMIZERS[optimizer]
+    tensors = optimizer_tensors(config, SIZES_WITH_EMPTY, n_states, seed=6)
+    kwargs = {"inv": 2.0**-3, "clip": 0.7, "steps": 3}
+    assert_optimizer_results_match(run(tensors, CUDA, **kwargs), run(tensors, "cpu", **kwargs), config[2])
+
+
+ADAMW_OPTIONS = [
+    {"amsgrad": True},
+    {"maximize": True},
+    {"weight_decay": 0.0},
+    {"lr_kind": "cuda"},
+    {"lr_kind": "cpu"},
+    {"inv": 0.5},
+    {"clip": 0.25},
+    {"inv": 0.5, "clip": 0.25, "write": False},
+    {"found": 0.0, "inv": 0.125},
+    {"offset": 1, "amsgrad": True, "inv": 0.5},
+]
+SGD_OPTIONS = [
+    {"momentum": 0.0},
+    {"nesterov": True, "dampening": 0.0},
+    {"maximize": True},
+    {"weight_decay": 0.0},
+    {"lr_kind": "cuda"},
+    {"lr_kind": "cpu"},
+    {"inv": 0.5, "clip": 0.25},
+    {"inv": 0.5, "write": False},
+    {"found": 0.0, "clip": 0.5},
+    {"offset": 1, "inv": 0.5},
+]
+
+
+@pytest.mark.parametrize("options", ADAMW_OPTIONS, ids=str)
+@pytest.mark.parametrize("config", [OPTIMIZER_CONFIGS[0], OPTIMIZER_CONFIGS[2], OPTIMIZER_CONFIGS[5]])
+def test_adamw_options_match_cpu(config: tuple, options: dict) -> None:
+    tensors = optimizer_tensors(config, SIZES_WITH_EMPTY, 3, seed=7)
+    kwargs = {"steps": 2, **options}
+    assert_optimizer_results_match(
+        run_adamw(tensors, CUDA, **kwargs), run_adamw(tensors, "cpu", **kwargs), config[2]
+    )
+
+
+@pytest.mark.parametrize("options", SGD_OPTIONS, ids=str)
+@pytest.mark.parametrize("config", [OPTIMIZER_CONFIGS[0], OPTIMIZER_CONFIGS[2], OPTIMIZER_CONFIGS[5]])
+def test_sgd_options_match_cpu(config: tuple, options: dict) -> None:
+    tensors = optimizer_tensors(config, SIZES_WITH_EMPTY, 1, seed=8)
+    kwargs = {"steps": 2, **options}
+    assert_optimizer_results_match(
+        run_sgd(tensors, CUDA, **kwargs), run_sgd(tensors, "cpu", **kwargs), config[2]
+    )
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_many_tiny_tensors(optimizer: str) -> None:
+    run, n_states = OPTIMIZERS[optimizer]
+    sizes = torch.randint(0, 21, (1000,), generator=torch.Generator().manual_seed(9)).tolist()
+    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[4], sizes, n_states, seed=10)
+    assert_optimizer_results_match(run(tensors, CUDA, inv=0.5), run(tensors, "cpu", inv=0.5), "fp32")
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("config", OPTIMIZER_CONFIGS)
+@pytest.mark.parametrize("found", [1.0, 2.0])
+def test_optimizer_skips_step_on_found_inf(optimizer: str, config: tuple, found: float) -> None:
+    run, n_states = OPTIMIZERS[optimizer]
+    tensors = optimizer_tensors(config, SIZES_WITH_EMPTY, n_states, seed=11)
+    options = {"found": found, "inv": 0.5, "clip": 0.5, **({"amsgrad": True} if optimizer == "adamw" else {})}
+    assert_bits_unchanged(flat_tensors(run(tensors, CUDA, **options)), flat_tensors(tensors))
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_non_finite_grad_skips_the_fused_step(bad: float) -> None:
+    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[4], SIZES_WITH_EMPTY, 3, seed=12)
+    tensors["grads"][5][65536] = bad
+    t = copy_tensors(tensors, CUDA)
+    before = flat_tensors(copy_tensors(t, "cpu"))
+    found_inf = torch.zeros((), device=CUDA)
+    inv = torch.tensor(2.0**-4, device=CUDA)
+    ops.check_and_norm_(t["grads"], found_inf, None, inv)
+    exp_avgs, exp_avg_sqs, _ = t["states"]
+    ops.adamw_(
+        t["params"],
+        t["grads"],
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        t["masters"],
+        t["steps"],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        inv_grad_scale=inv,
+        found_inf=found_inf,
+    )
+    assert found_inf.item() == 1.0
+    assert_bits_unchanged(flat_tensors(t), before)
+
+
+def test_adamw_fp32_matches_float64_reference() -> None:
+    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[0], SIZES, 3, seed=13)
+    lr, beta1, beta2, eps, weight_decay, multiplier = 1e-2, 0.8, 0.95, 1e-6, 0.1, 0.5 * 0.7
+    result = run_adamw(tensors, CUDA, amsgrad=True, maximize=True, inv=0.5, clip=0.7)
+    for i in range(len(SIZES)):
+        param, exp_avg, exp_avg_sq, max_exp_avg_sq = (
+            t.double() for t in (tensors["params"][i], *(s[i] for s in tensors["states"]))
+        )
+        grad = -tensors["grads"][i].double() * multiplier
+        step = tensors["steps"][i].item() + 1
+        param = param - lr * weight_decay * param
+        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+        max_exp_avg_sq = torch.maximum(max_exp_avg_sq, exp_avg_sq)
+        denom = max_exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step) + eps
+        param = param - lr / (1 - beta1**step) * exp_avg / denom
+        assert_close(result["params"][i], param.float())
+        assert_close(result["states"][0][i], exp_avg.float())
+        assert_close(result["states"][2][i], max_exp_avg_sq.float())
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_fp32_matches_float64_reference(nesterov: bool) -> None:
+    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[0], SIZES, 1, seed=14)
+    lr, momentum, dampening, weight_decay, multiplier = 1e-2, 0.9, 0.0 if nesterov else 0.1, 0.01, 0.5
+    result = run_sgd(tensors, CUDA, nesterov=nesterov, dampening=dampening, inv=0.5)
+    for i in range(len(SIZES)):
+        param, buffer = tensors["params"][i].double(), tensors["states"][0][i].double()
+        grad = tensors["grads"][i].double() * multiplier + weight_decay * param
+        first_step = tensors["steps"][i].item() == 0
+        buffer = grad if first_step else momentum * buffer + (1 - dampening) * grad
+        update = grad + momentum * buffer if nesterov else buffer
+        assert_close(result["params"][i], (param - lr * update).float())
+        assert_close(result["states"][0][i], buffer.float())
