@@ -35,4 +35,8 @@ TORCH_LIBRARY(fusedamp, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize, "
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
       "bool write_unscaled_grads) -> ()");
+  // Gradient diagnostics (math/grad_stats.h), read-only: per grad, counts[i] = (number of
+  // values with 0 < |g * inv_scale| < 2^-24, same below 2^-14, non-finite count) as int64, and
+  // max_abs[i] = the largest finite |g * inv_scale| as float32. Grads may mix float dtypes.
+  m.def("grad_stats(Tensor[] grads, Tensor? inv_scale) -> (Tensor counts, Tensor max_abs)");
 }
