@@ -202,12 +202,14 @@ def _garments(labels: Tensor, generator: torch.Generator) -> Tensor:
     half_width = uniform(5.0, 7.5)
     torso = box(-half_width, half_width, 5.0, uniform(21.0, 25.0))
     sleeve_width = uniform(3.0, 4.5)
-    long_sleeves = (box(-half_width - sleeve_width, -half_width, 5.5, uniform(17.0, 22.0))
-                    + box(half_width, half_width + sleeve_width, 5.5, uniform(17.0, 22.0)))
-    short_sleeves = (box(-half_width - sleeve_width, -half_width, 5.5, uniform(8.5, 12.0))
-                     + box(half_width, half_width + sleeve_width, 5.5, uniform(8.5, 12.0)))
+    long_sleeves = (box(-half_width - sleeve_width, -half_width, 5.5, uniform(13.0, 22.0))
+                    + box(half_width, half_width + sleeve_width, 5.5, uniform(13.0, 22.0)))
+    # Sleeve lengths of T-shirts and long-sleeved garments overlap a little: some samples are
+    # ambiguous, as in the real set.
+    short_sleeves = (box(-half_width - sleeve_width, -half_width, 5.5, uniform(8.5, 14.0))
+                     + box(half_width, half_width + sleeve_width, 5.5, uniform(8.5, 14.0)))
     # Faint details that tell the upper-body classes apart, each with a random contrast.
-    detail = uniform(0.25, 0.7)
+    detail = uniform(0.1, 0.5)
     opening = box(-0.6, 0.6, 5.0, 26.0) * detail
     buttons = box(-0.8, 0.8, 5.0, 24.0) * (torch.remainder(y, 3.5) < 1.2).float() * detail
     collar = ((y - 5.0) < 2.5 - (x.abs() * 0.9)).float() * (y >= 5.0).float() * detail
@@ -258,7 +260,7 @@ def synthetic_fashion_mnist(n_train: int = 12000, n_test: int = 2000, seed: int 
     coarse = torch.rand(total, 1, 7, 7, generator=generator)
     texture = F.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)[:, 0]
     images = images * brightness * (0.6 + 0.4 * texture)
-    images = images + 0.08 * torch.randn(images.shape, generator=generator)
+    images = images + 0.12 * torch.randn(images.shape, generator=generator)
     images = (images.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
     train = Split(images[:n_train].contiguous(), labels[:n_train].contiguous())
     test = Split(images[n_train:].contiguous(), labels[n_train:].contiguous())
