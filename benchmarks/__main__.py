@@ -34,6 +34,11 @@ key                type    meaning
 
 Rows with the same ``(bench, case, device)`` are compared: each peer row shows how many times
 faster the ``fusedamp`` row of its group is (peer time / fusedamp time).
+
+Also understood, so that table-style modules need no adapter: ``ms``, ``GB/s``, ``TFLOP/s`` and
+``op`` for ``time_ms``, ``gbps``, ``tflops`` and ``impl``; a ``dtype`` key as the ``case``; a
+top-level ``"benchmark"`` name as ``bench``; a row whose impl is ``copy`` as the bandwidth
+ceiling of its group; and ratios the module computed itself, in keys starting with ``vs ``.
 """
 
 from __future__ import annotations
@@ -112,22 +117,46 @@ def run_module(module: str, package_dir: str = PACKAGE_DIR, timeout: float = 900
         return ModuleRun(module, "failed", seconds, message="--json output is not a list of row dicts")
     if not rows:
         return ModuleRun(module, "skipped", seconds, message=_last_lines(output, 1) or "no rows")
-    for row in rows:
-        row.setdefault("bench", module.removeprefix("bench_"))
-        row.setdefault("device", "")
-    return ModuleRun(module, "ok", seconds, rows)
+    bench = loaded.get("benchmark") if isinstance(loaded, dict) else None
+    device = loaded.get("environment", {}).get("device", "") if isinstance(loaded, dict) else ""
+    return ModuleRun(module, "ok", seconds,
+                     [normalize_row(row, bench or module.removeprefix("bench_"), device) for row in rows])
+
+
+_ALIASES = {"time_ms": "ms", "gbps": "GB/s", "tflops": "TFLOP/s", "impl": "op", "case": "dtype"}
+
+
+def normalize_row(row: dict[str, Any], bench: str, device: str = "") -> dict[str, Any]:
+    """``row`` with the documented keys filled in from their aliases and defaults."""
+    normalized = dict(row)
+    for key, alias in _ALIASES.items():
+        if normalized.get(key) is None and row.get(alias) is not None:
+            normalized[key] = row[alias]
+    normalized.setdefault("bench", bench)
+    normalized.setdefault("device", device)
+    normalized.setdefault("case", "")
+    normalized.setdefault("impl", "")
+    return normalized
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Sets ``fusedamp_speedup`` (peer time / fusedamp time) on every peer row whose group has a
-    fusedamp row, and ``fraction_of_ceiling`` where a row has a rate and its ceiling."""
-    fusedamp_time = {
-        (row["bench"], row.get("case"), row["device"]): row["time_ms"]
-        for row in rows if row.get("impl") == "fusedamp" and row.get("time_ms")
+    """Sets ``ceiling_gbps`` from the group's ``copy`` row where a row has none,
+    ``fusedamp_speedup`` (peer time / fusedamp time) on every peer row whose group has a
+    fusedamp row, and ``fraction_of_ceiling_*`` where a row has a rate and its ceiling."""
+    copy_rate = {
+        (row["bench"], row["case"], row["device"]): row["gbps"]
+        for row in rows if row["impl"] == "copy" and row.get("gbps")
     }
     for row in rows:
-        reference = fusedamp_time.get((row["bench"], row.get("case"), row["device"]))
-        if row.get("impl") != "fusedamp" and reference and row.get("time_ms"):
+        if row["impl"] != "copy" and not row.get("ceiling_gbps"):
+            row["ceiling_gbps"] = copy_rate.get((row["bench"], row["case"], row["device"]))
+    fusedamp_time = {
+        (row["bench"], row["case"], row["device"]): row["time_ms"]
+        for row in rows if row["impl"] == "fusedamp" and row.get("time_ms")
+    }
+    for row in rows:
+        reference = fusedamp_time.get((row["bench"], row["case"], row["device"]))
+        if row["impl"] != "fusedamp" and reference and row.get("time_ms"):
             row["fusedamp_speedup"] = row["time_ms"] / reference
         for rate, ceiling in (("gbps", "ceiling_gbps"), ("tflops", "ceiling_tflops")):
             if row.get(rate) and row.get(ceiling):
@@ -141,21 +170,23 @@ def _number(value: Any, digits: int = 1) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """All rows as one aligned text table."""
     header = ["bench", "case", "device", "impl", "time ms", "GB/s", "% ceil", "TFLOP/s", "% ceil",
-              "fusedamp speedup"]
+              "fusedamp speedup", "module's ratios"]
     lines = [header]
     for row in rows:
         gb_fraction = row.get("fraction_of_ceiling_gbps")
         tf_fraction = row.get("fraction_of_ceiling_tflops")
         speedup = row.get("fusedamp_speedup")
+        ratios = ", ".join(f"{key} {value:.2f}x" for key, value in row.items()
+                           if key.startswith("vs ") and isinstance(value, (int, float)))
         lines.append([
-            str(row["bench"]), str(row.get("case", "")), str(row["device"]), str(row.get("impl", "")),
+            str(row["bench"]), str(row["case"]), str(row["device"]), str(row["impl"]),
             _number(row.get("time_ms"), 3), _number(row.get("gbps")),
             "-" if gb_fraction is None else f"{gb_fraction:.0%}", _number(row.get("tflops"), 2),
             "-" if tf_fraction is None else f"{tf_fraction:.0%}",
-            "-" if speedup is None else f"{speedup:.2f}x",
+            "-" if speedup is None else f"{speedup:.2f}x", ratios or "-",
         ])
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    text = ["  ".join(cell.ljust(w) if c < 4 else cell.rjust(w)
+    text = ["  ".join(cell.ljust(w) if c < 4 or c == len(header) - 1 else cell.rjust(w)
                       for c, (cell, w) in enumerate(zip(line, widths, strict=True))) for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)
@@ -179,9 +210,9 @@ def plot_rows(rows: list[dict[str, Any]], path: str, title: str) -> bool:
     height = max(3.0, 0.3 * max(len(panel_rows) for _, _, panel_rows in panels) + 1.5)
     figure, axes_list = plt.subplots(1, len(panels), figsize=(8 * len(panels), height), squeeze=False)
     for axes, (unit, key, panel_rows) in zip(axes_list[0], panels, strict=True):
-        labels = [f"{row['bench']} {row.get('case', '')} [{row.get('impl', '')}]" for row in panel_rows]
+        labels = [f"{row['bench']} {row['case']} [{row['impl']}]" for row in panel_rows]
         positions = range(len(panel_rows))
-        colors = ["tab:green" if row.get("impl") == "fusedamp" else "tab:gray" for row in panel_rows]
+        colors = ["tab:green" if row["impl"].startswith("fusedamp") else "tab:gray" for row in panel_rows]
         axes.barh(positions, [row[key] for row in panel_rows], color=colors)
         ceilings = [(p, row.get(f"ceiling_{key}")) for p, row in zip(positions, panel_rows, strict=True)]
         ceilings = [(p, c) for p, c in ceilings if c]
