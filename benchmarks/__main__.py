@@ -187,7 +187,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ])
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
     text = ["  ".join(cell.ljust(w) if c < 4 or c == len(header) - 1 else cell.rjust(w)
-                      for c, (cell, w) in enumerate(zip(line, widths, strict=True))) for line in lines]
+                      for c, (cell, w) in enumerate(zip(line, widths, strict=True))).rstrip()
+            for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text)
 
