@@ -50,14 +50,16 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWKernelArgs& args,
   }
 }
 
-template <DType P, DType G, MasterKind M, bool kWriteGrad>
+template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdKernelArgs& args, int64_t begin,
                int64_t end) {
   const SgdTensorPointers t = tensor;
   const SgdCoefficients c = args.coefficients;
   const float multiplier = args.grad_multiplier;
 #pragma omp simd
-  for (int64_t i = begin; i < end; ++i) sgd_element<P, G, M>(t, i, c, multiplier, kWriteGrad);
+  for (int64_t i = begin; i < end; ++i) {
+    sgd_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kHasMomentum);
+  }
 }
 
 bool unscale(void* grad, DType dtype, int64_t begin, int64_t end, float inv_scale) {
@@ -95,8 +97,11 @@ void sgd(const SgdTensorPointers& tensor, const SgdKernelArgs& args, int64_t beg
   with_float_dtype(args.param_dtype, [&](auto p) {
     with_float_dtype(args.grad_dtype, [&](auto g) {
       with_master_kind<p.value>(args.master_kind, [&](auto m) {
-        with_bool(args.write_grad, [&](auto write_grad) {
-          sgd_range<p.value, g.value, m.value, write_grad.value>(tensor, args, begin, end);
+        with_bool(args.coefficients.momentum != 0.0f, [&](auto has_momentum) {
+          with_bool(args.write_grad, [&](auto write_grad) {
+            sgd_range<p.value, g.value, m.value, has_momentum.value, write_grad.value>(
+                tensor, args, begin, end);
+          });
         });
       });
     });

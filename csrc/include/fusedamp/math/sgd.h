@@ -8,7 +8,7 @@ namespace fusedamp {
 struct SgdCoefficients {
   float lr;
   float weight_decay;
-  float momentum;             // 0 = no momentum buffer
+  float momentum;             // 0 = no momentum buffer (buffers not read or written)
   float one_minus_dampening;
   float grad_sign;            // -1 with maximize
   bool nesterov;
@@ -40,28 +40,33 @@ FUSEDAMP_HOST_DEVICE SgdCoefficients sgd_coefficients(double lr, double momentum
   return c;
 }
 
-// maximize negates the gradient before weight decay, as torch.optim.SGD does.
+// maximize negates the gradient before weight decay, as torch.optim.SGD does. The flags are
+// bit selects, not branches, so that host loops over this stay vectorizable.
 FUSEDAMP_HOST_DEVICE void sgd_update(float& param, float grad, float& momentum_buffer,
-                                     const SgdCoefficients& c) {
+                                     bool has_momentum, const SgdCoefficients& c) {
   grad *= c.grad_sign;
-  if (c.weight_decay != 0.0f) grad += c.weight_decay * param;
-  if (c.momentum != 0.0f) {
-    momentum_buffer = c.first_step ? grad : c.momentum * momentum_buffer + c.one_minus_dampening * grad;
-    grad = c.nesterov ? grad + c.momentum * momentum_buffer : momentum_buffer;
+  const float decayed = grad + c.weight_decay * param;
+  grad = select_float(c.weight_decay != 0.0f, decayed, grad);
+  if (has_momentum) {
+    const float blended = c.momentum * momentum_buffer + c.one_minus_dampening * grad;
+    momentum_buffer = select_float(c.first_step, grad, blended);
+    const float look_ahead = grad + c.momentum * momentum_buffer;
+    grad = select_float(c.nesterov, look_ahead, momentum_buffer);
   }
   param -= c.lr * grad;
 }
 
+// has_momentum must equal (c.momentum != 0); it is a separate argument so that callers can
+// make it a compile-time constant.
 template <DType P, DType G, MasterKind M>
 FUSEDAMP_HOST_DEVICE void sgd_element(const SgdTensorPointers& t, int64_t index,
                                       const SgdCoefficients& c, float grad_multiplier,
-                                      bool write_grad) {
+                                      bool write_grad, bool has_momentum) {
   const float grad = prepare_grad<G>(t.grad, index, grad_multiplier, write_grad);
   float param = load_master<P, M>(t.param, t.master, index);
-  const bool has_buffer = c.momentum != 0.0f;
-  float buffer = has_buffer && !c.first_step ? t.momentum_buffer[index] : 0.0f;
-  sgd_update(param, grad, buffer, c);
-  if (has_buffer) t.momentum_buffer[index] = buffer;
+  float buffer = has_momentum ? t.momentum_buffer[index] : 0.0f;
+  sgd_update(param, grad, buffer, has_momentum, c);
+  if (has_momentum) t.momentum_buffer[index] = buffer;
   store_master<P, M>(t.param, t.master, index, param);
 }
 

@@ -1,0 +1,11 @@
+"""Fused optimizers: one kernel per device and dtype does unscale, inf-skip, clip and update.
+
+``FusedAdamW`` and ``FusedSGD`` are drop-in for ``torch.optim.AdamW`` / ``SGD`` and add fp32
+master weights for float16/bfloat16 params (or exact bf16 "remainder" masters).
+"""
+
+from fusedamp.optim._common import join_bf16_remainder, split_bf16_remainder
+from fusedamp.optim.adamw import FusedAdamW
+from fusedamp.optim.sgd import FusedSGD
+
+__all__ = ["FusedAdamW", "FusedSGD", "join_bf16_remainder", "split_bf16_remainder"]

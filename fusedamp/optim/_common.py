@@ -1,0 +1,364 @@
+"""What FusedAdamW and FusedSGD share: master weights, grouping, AMP, clipping, state loading.
+
+An optimizer step groups the params that have grads by (param group, device, param dtype,
+grad dtype) and makes one fused op call per bucket. Everything the step needs from AMP (the
+inverse loss scale, found_inf, the clip coefficient) stays on the device as 0-dim tensors: the
+step never reads a tensor value on the host.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from fusedamp import ops
+
+__all__ = [
+    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "join_bf16_remainder", "lr_for_device",
+    "split_bf16_remainder",
+]
+
+MasterWeights = bool | Literal["remainder"]
+
+# The state entries holding the fp32 value of a half param; at most one is present.
+MASTER_KEY = "master"
+REMAINDER_KEY = "master_remainder"
+_MASTER_KEYS = (MASTER_KEY, REMAINDER_KEY)
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_SUPPORTED_DTYPES = (torch.float32, *_HALF_DTYPES)
+
+# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
+_CLIP_EPS = 1e-6
+
+
+def split_bf16_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
+    """Splits fp32 ``master`` into a bf16 param and an int16 remainder that rebuild it exactly.
+
+    The bit arithmetic of csrc/include/fusedamp/math/master.h ([note: remainder encoding]),
+    done in int64 so that the unsigned 32-bit wrap-around of the C++ code is explicit.
+
+    >>> param, remainder = split_bf16_remainder(torch.tensor([1.0 + 2**-20]))
+    >>> join_bf16_remainder(param, remainder)
+    tensor([1.0000])
+    """
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((bits + 0x8000) & 0xFFFFFFFF) >> 16
+    remainder = (bits - (high << 16)) & 0xFFFF
+    return _as_int16(high).view(torch.bfloat16), _as_int16(remainder)
+
+
+def join_bf16_remainder(param: Tensor, remainder: Tensor) -> Tensor:
+    """The fp32 master that a bf16 ``param`` and its int16 ``remainder`` encode (a new tensor).
+
+    >>> join_bf16_remainder(torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16))
+    tensor([1., 1.])
+    """
+    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((high << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
+    return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
+
+
+def _as_int16(unsigned: Tensor) -> Tensor:
+    # Values in [0, 2^16) to the int16 with the same 16 bits.
+    return ((unsigned ^ 0x8000) - 0x8000).to(torch.int16)
+
+
+def _master_key(mode: MasterWeights, dtype: torch.dtype) -> str | None:
+    if dtype == torch.float32 or mode is False:
+        return None
+    return REMAINDER_KEY if mode == "remainder" else MASTER_KEY
+
+
+def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    if tensor is None or tensor.device == device:
+        return tensor
+    # A CPU kernel reads its scalars on the host at once, so a copy to the CPU must be complete.
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
+def lr_for_device(lr: float | Tensor, device: torch.device) -> float | Tensor:
+    """A tensor lr as the op takes it: float32, on the CPU (read on the host) or on ``device``."""
+    if not isinstance(lr, Tensor):
+        return lr
+    if lr.device.type != "cpu" and lr.device != device:
+        lr = lr.to(device)
+    return lr if lr.dtype == torch.float32 else lr.float()
+
+
+@dataclass
+class Bucket:
+    """The params of one op call: same group, device, param dtype and grad dtype."""
+
+    group: dict[str, Any]
+    device: torch.device
+    master_key: str | None
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Any]] = field(default_factory=list)
+
+    def state_list(self, key: str) -> list[Tensor]:
+        return [state[key] for state in self.states]
+
+    def masters(self) -> list[Tensor]:
+        return [] if self.master_key is None else self.state_list(self.master_key)
+
+
+@dataclass
+class AmpScalars:
+    """The device tensors that turn a plain step into an AMP step (None: not used)."""
+
+    inv_grad_scale: Tensor | None
+    found_inf: Tensor | None
+    clip_coef: Tensor | None
+
+
+class FusedOptimizer(torch.optim.Optimizer, ABC):
+    """Base of FusedAdamW and FusedSGD; subclasses define the state and the op call.
+
+    Subclasses define ``_moment_keys`` and ``_step_bucket``; this class does the rest.
+
+    >>> opt = fusedamp.FusedSGD(model.parameters(), lr=0.1)  # a FusedOptimizer
+    """
+
+    # torch.amp.GradScaler (and fusedamp.GradScaler) hand the scale and found_inf to step()
+    # as the attributes grad_scale and found_inf instead of unscaling the grads first.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        max_grad_norm: float | None,
+    ) -> None:
+        if max_grad_norm is not None and not 0.0 < max_grad_norm:
+            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: Tensor | None = None
+        # Set by _fusedamp_check_grads, used (once) by the step that follows it.
+        self._pending_clip_coef: Tensor | None = None
+
+    # --- construction and state -------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        mode = group["master_weights"]
+        if mode not in (True, False, "remainder"):
+            raise ValueError(
+                f"Invalid master_weights value: {mode!r}; expected True (fp32 masters for half "
+                "params), False (update half params directly) or 'remainder' (bf16 params only)"
+            )
+        name = type(self).__name__
+        for index, param in enumerate(group["params"]):
+            where = f"param {index} of group {len(self.param_groups) - 1}"
+            if param.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(
+                    f"{name} supports float32, float16 and bfloat16 params; {where} is {param.dtype}"
+                )
+            if mode == "remainder" and param.dtype == torch.float16:
+                raise ValueError(
+                    f"master_weights='remainder' needs bfloat16 params; {where} is float16 "
+                    "(use master_weights=True for float16 params)"
+                )
+            if param.layout != torch.strided or not param.is_contiguous():
+                raise ValueError(
+                    f"{name} needs dense contiguous params; {where} is not "
+                    "(fused kernels read memory linearly)"
+                )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @abstractmethod
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The fp32 state entries shaped like the param that ``group``'s options need."""
+
+    @abstractmethod
+    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        """One fused op call on ``bucket``, its state made by _state_of."""
+
+    def _new_state(self, key: str, param: Tensor, state: dict[str, Any]) -> Tensor:
+        """A fresh state tensor for ``key``; ``state`` holds the entries made before it."""
+        if key == "step":
+            return torch.zeros((), dtype=torch.float32, device=param.device)
+        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+
+    def _state_of(self, param: Tensor, group: dict[str, Any], master_key: str | None) -> dict[str, Any]:
+        state = self.state[param]
+        for key in ("step", *self._moment_keys(group)):
+            if key not in state:
+                state[key] = self._new_state(key, param, state)
+        held = [key for key in _MASTER_KEYS if key in state]
+        if held != ([master_key] if master_key else []):
+            _convert_master(param, state, master_key)
+        return state
+
+    def master_of(self, param: Tensor) -> Tensor:
+        """The fp32 value the optimizer updates for ``param``.
+
+        The fp32 master itself, a rebuilt copy in remainder mode, or ``param.float()`` when the
+        param has no master (fp32 params, ``master_weights=False``, no step taken yet).
+        """
+        state = self.state.get(param, {})
+        if MASTER_KEY in state:
+            return state[MASTER_KEY]
+        if REMAINDER_KEY in state:
+            return join_bf16_remainder(param, state[REMAINDER_KEY])
+        return param.detach().float()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict of this class or of the matching ``torch.optim`` optimizer.
+
+        State is copied (never aliased) onto each param's device: steps, moments and fp32
+        masters as float32, remainders as int16. Missing entries (masters of a torch.optim
+        state_dict) are made from the params at the next step.
+        """
+        super().load_state_dict(state_dict)
+        # torch casts every floating state tensor to its param's dtype, which would round the
+        # fp32 moments and masters of half params: redo the cast from the saved values.
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id)
+            if saved is None:
+                continue
+            state = self.state[param]
+            for key, value in saved.items():
+                dtype = torch.int16 if key == REMAINDER_KEY else torch.float32
+                if key == "step":
+                    state[key] = torch.tensor(float(value), dtype=dtype, device=param.device)
+                elif isinstance(value, Tensor):
+                    state[key] = value.detach().to(
+                        device=param.device, dtype=dtype, memory_format=torch.contiguous_format,
+                        copy=True,
+                    )
+
+    # --- the step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Performs one optimization step (one fused op call per device and dtype).
+
+        When a GradScaler drives the step, its ``grad_scale`` and ``found_inf`` unscale the
+        grads and skip the whole step on inf/NaN inside the kernel.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        buckets = self._buckets()
+        clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
+        if clip_coef is None and self.max_grad_norm is not None and buckets:
+            _, sums = self._check_and_norm(inv_scale)
+            clip_coef = self._clip_coef(sums)
+        per_device: dict[torch.device, AmpScalars] = {}
+        for bucket in buckets:
+            scalars = per_device.get(bucket.device)
+            if scalars is None:
+                scalars = AmpScalars(
+                    _on(inv_scale, bucket.device), _on(found_inf, bucket.device),
+                    _on(clip_coef, bucket.device),
+                )
+                per_device[bucket.device] = scalars
+            self._step_bucket(bucket, scalars)
+        return loss
+
+    def _grads(self) -> Iterable[tuple[dict[str, Any], Tensor, Tensor]]:
+        """(group, param, grad) for every param that has a grad."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                yield group, param, grad
+
+    def _buckets(self) -> list[Bucket]:
+        buckets: dict[tuple[int, torch.device, torch.dtype, torch.dtype], Bucket] = {}
+        for group, param, grad in self._grads():
+            key = (id(group), param.device, param.dtype, grad.dtype)
+            bucket = buckets.get(key)
+            if bucket is None:
+                master_key = _master_key(group["master_weights"], param.dtype)
+                bucket = buckets[key] = Bucket(group, param.device, master_key)
+            bucket.params.append(param)
+            bucket.grads.append(grad)
+            bucket.states.append(self._state_of(param, group, bucket.master_key))
+        return list(buckets.values())
+
+    # --- AMP: the read-only pass and clipping -------------------------------------------------
+
+    def _fusedamp_check_grads(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
+        """The one read-only pass over the grads that fusedamp.GradScaler.step() runs.
+
+        Returns a fresh float32 found_inf per device (> 0: some grad is inf/NaN). With
+        ``max_grad_norm`` set, the same pass also takes the norm of the unscaled grads
+        (``grad * inv_scale``), and the next step() clips with it instead of reading the
+        grads again.
+        """
+        found, sums = self._check_and_norm(inv_scale)
+        if self.max_grad_norm is not None and sums:
+            self._pending_clip_coef = self._clip_coef(sums)
+        return found
+
+    def _check_and_norm(
+        self, inv_scale: Tensor | None
+    ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+        """found_inf and, with clipping on, the sum of squares of the unscaled grads per device."""
+        grads: dict[torch.device, list[Tensor]] = {}
+        for _, param, grad in self._grads():
+            grads.setdefault(param.device, []).append(grad)
+        found: dict[torch.device, Tensor] = {}
+        sums: dict[torch.device, Tensor] = {}
+        for device, device_grads in grads.items():
+            found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            if self.max_grad_norm is not None:
+                sums[device] = torch.zeros((), dtype=torch.float32, device=device)
+            ops.check_and_norm_(device_grads, found[device], sums.get(device), _on(inv_scale, device))
+        return found, sums
+
+    def _clip_coef(self, sums: dict[torch.device, Tensor]) -> Tensor:
+        """min(1, max_grad_norm / (norm + 1e-6)) on the first grad's device; sets last_grad_norm."""
+        assert self.max_grad_norm is not None
+        devices = list(sums)
+        total = sums[devices[0]].clone()
+        for device in devices[1:]:
+            total += _on(sums[device], devices[0])
+        self.last_grad_norm = total.sqrt_()
+        return (self.max_grad_norm / (self.last_grad_norm + _CLIP_EPS)).clamp_(max=1.0)
+
+
+def _convert_master(param: Tensor, state: dict[str, Any], master_key: str | None) -> None:
+    """Makes ``master_key`` the only master entry of ``state``, keeping the fp32 value.
+
+    Used when a state has no master yet (a fresh param, a torch.optim state_dict) or one of the
+    other kind (master_weights changed); a remainder's param is rewritten so the pair is exact.
+    """
+    if MASTER_KEY in state:
+        master = state.pop(MASTER_KEY)
+    elif REMAINDER_KEY in state:
+        master = join_bf16_remainder(param, state.pop(REMAINDER_KEY))
+    else:
+        master = param.detach().float()
+    if master_key == MASTER_KEY:
+        state[MASTER_KEY] = master
+    elif master_key == REMAINDER_KEY:
+        high, remainder = split_bf16_remainder(master)
+        param.copy_(high)
+        state[REMAINDER_KEY] = remainder

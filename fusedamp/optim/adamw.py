@@ -1,0 +1,109 @@
+"""FusedAdamW: torch.optim.AdamW with fp32 master weights, AMP and clipping in one fused step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from fusedamp import ops
+from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, lr_for_device
+
+__all__ = ["FusedAdamW"]
+
+
+class FusedAdamW(FusedOptimizer):
+    """AdamW (decoupled weight decay) updated by one fused kernel per device and dtype.
+
+    Same arguments, defaults, validation and state names as ``torch.optim.AdamW``, plus:
+
+    - ``master_weights``: for float16/bfloat16 params, ``True`` (default) keeps an fp32 copy
+      (state ``"master"``) that takes the update and is rounded into the param; ``"remainder"``
+      (bfloat16 params only) stores just the low 16 bits of that fp32 master (state
+      ``"master_remainder"``, int16), which the bf16 param completes exactly; ``False`` updates
+      the half param itself. float32 params never have a master. Moments are always float32.
+    - ``max_grad_norm``: clip the grads to this global L2 norm (over every param of the
+      optimizer that has a grad) inside the step, as ``torch.nn.utils.clip_grad_norm_`` would;
+      ``None`` (default) is off. ``last_grad_norm`` then holds the norm of the last step as a
+      device tensor (``float("inf")`` measures without clipping).
+    - ``write_unscaled_grads``: when the step unscales or clips the grads, it writes the values
+      it used back into ``.grad`` as torch does (default); ``False`` saves that write for code
+      that zeroes the grads right after the step.
+
+    ``lr`` may be a float or a one-element tensor. Under a ``torch.amp.GradScaler`` or
+    ``fusedamp.GradScaler``, ``scaler.step(opt)`` unscales, checks for inf/NaN and (optionally)
+    clips inside the fused step without a host sync.
+
+    >>> opt = fusedamp.FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+    >>> loss_fn(model(x)).backward()
+    >>> opt.step()
+    >>> opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        master_weights: MasterWeights = True,
+        max_grad_norm: float | None = None,
+        write_unscaled_grads: bool = True,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        defaults = {
+            "lr": lr,
+            "betas": (float(betas[0]), float(betas[1])),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "master_weights": master_weights,
+            "write_unscaled_grads": write_unscaled_grads,
+        }
+        super().__init__(params, defaults, max_grad_norm)
+
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        if group["amsgrad"]:
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
+    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        group = bucket.group
+        beta1, beta2 = group["betas"]
+        ops.adamw_(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("exp_avg"),
+            bucket.state_list("exp_avg_sq"),
+            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            lr=lr_for_device(group["lr"], bucket.device),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            inv_grad_scale=scalars.inv_grad_scale,
+            found_inf=scalars.found_inf,
+            clip_coef=scalars.clip_coef,
+            write_unscaled_grads=group["write_unscaled_grads"],
+        )

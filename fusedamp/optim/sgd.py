@@ -1,0 +1,94 @@
+"""FusedSGD: torch.optim.SGD with fp32 master weights, AMP and clipping in one fused step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusedamp import ops
+from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, lr_for_device
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD (momentum, dampening, Nesterov, weight decay) updated by one fused kernel per bucket.
+
+    Same arguments, defaults, validation and ``"momentum_buffer"`` state as
+    ``torch.optim.SGD``; ``master_weights``, ``max_grad_norm`` and ``write_unscaled_grads`` work
+    as in :class:`fusedamp.FusedAdamW`. Each param also has a ``"step"`` count (a float32 0-dim
+    tensor on its device): the first step of a param (count 0) starts its momentum buffer as
+    the grad itself, as torch does.
+
+    >>> opt = fusedamp.FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    >>> loss_fn(model(x)).backward()
+    >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        master_weights: MasterWeights = True,
+        max_grad_norm: float | None = None,
+        write_unscaled_grads: bool = True,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "master_weights": master_weights,
+            "write_unscaled_grads": write_unscaled_grads,
+        }
+        super().__init__(params, defaults, max_grad_norm)
+
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _new_state(self, key: str, param: Tensor, state: dict[str, Any]) -> Tensor:
+        if key == "step" and "momentum_buffer" in state:
+            # A torch.optim.SGD state (buffer, no count): the buffer is live, not to be reset.
+            return torch.ones((), dtype=torch.float32, device=param.device)
+        return super()._new_state(key, param, state)
+
+    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        group = bucket.group
+        ops.sgd_(
+            bucket.params,
+            bucket.grads,
+            bucket.state_list("momentum_buffer") if group["momentum"] != 0 else [],
+            bucket.masters(),
+            bucket.state_list("step"),
+            lr=lr_for_device(group["lr"], bucket.device),
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            inv_grad_scale=scalars.inv_grad_scale,
+            found_inf=scalars.found_inf,
+            clip_coef=scalars.clip_coef,
+            write_unscaled_grads=group["write_unscaled_grads"],
+        )
