@@ -205,13 +205,16 @@ def build_recipe(mode: str, model: nn.Module, device: torch.device, dtype: torch
     from fusedamp.grad_scaler import GradScaler
     from fusedamp.optim import FusedAdamW
 
+    # The grads are zeroed right after each step: no need for the step to write them back unscaled.
     if mode == "fusedamp":
-        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights=False)
+        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights=False,
+                               write_unscaled_grads=False)
         return Recipe(model, optimizer, GradScaler(device.type),
                       lambda: autocast(device.type, dtype=dtype))
     if mode == "fusedamp-o2":
         half_model(model, dtype, keep_norm_fp32=True)
-        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights=True)
+        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights=True,
+                               write_unscaled_grads=False)
         return Recipe(model, optimizer, GradScaler(device.type), contextlib.nullcontext)
     raise ValueError(f"unknown mode {mode!r}; choose among {', '.join(MODES)}")
 
