@@ -180,7 +180,7 @@ def main() -> None:
                     "GB/s": rate,
                     "% copy": 100 * rate / copy_rate,
                     "% stream": 100 * rate / stream_rate,
-                    "rounds kept": kept,
+                    "fewest samples kept": kept,
                     "copy GB/s": copy_rate,
                     "stream GB/s": stream_rate,
                 }
@@ -193,7 +193,7 @@ def main() -> None:
                     row["vs torch"] = ", ".join(f"{v:.2f}x {k}" for k, v in row["speedup"].items())
                 rows.append(row)
             del steps, peers
-            print(f"{kind} {dtype_name}: done ({kept}/{args.rounds} rounds kept)", flush=True)
+            print(f"{kind} {dtype_name}: done (every peer kept >= {kept}/{args.rounds} samples)", flush=True)
 
     columns = ["optimizer", "dtype", "peer", "ms/step", "GB/s", "% copy", "% stream", "vs torch"]
     print(f"\n{numel / 1e6:.1f}M params in {len(sizes)} tensors on {device}; copy and stream "
