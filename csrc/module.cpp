@@ -124,6 +124,8 @@ void def_gemm_tile_hooks(py::module_& m) {
   }, "The epilogue activation (0 none, 1 relu, 2 gelu, 3 gelu_tanh) on the host.");
   m.def("gemm_wgmma_descriptor", &g::wgmma_descriptor, py::arg("address"), py::arg("leading"),
         py::arg("stride"), "The wgmma smem descriptor of a 128B-swizzled operand.");
+}
+
 // (launch, slot, tensor, begin, count) for every block, as the CUDA kernels find their work:
 // from the per-slot ranges of each launch, looked up by block index with locate_chunk.
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> locate_chunks_for_test(
