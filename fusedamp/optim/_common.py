@@ -29,7 +29,6 @@ MasterWeights = bool | Literal["remainder"]
 # The state entries holding the fp32 value of a half param; at most one is present.
 MASTER_KEY = "master"
 REMAINDER_KEY = "master_remainder"
-_MASTER_KEYS = (MASTER_KEY, REMAINDER_KEY)
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _SUPPORTED_DTYPES = (torch.float32, *_HALF_DTYPES)
@@ -99,6 +98,7 @@ class Bucket:
     group: dict[str, Any]
     device: torch.device
     master_key: str | None
+    state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
@@ -201,13 +201,15 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             return torch.zeros((), dtype=torch.float32, device=param.device)
         return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
 
-    def _state_of(self, param: Tensor, group: dict[str, Any], master_key: str | None) -> dict[str, Any]:
+    def _state_of(self, param: Tensor, bucket: Bucket) -> dict[str, Any]:
         state = self.state[param]
-        for key in ("step", *self._moment_keys(group)):
+        for key in bucket.state_keys:
             if key not in state:
                 state[key] = self._new_state(key, param, state)
-        held = [key for key in _MASTER_KEYS if key in state]
-        if held != ([master_key] if master_key else []):
+        master_key = bucket.master_key
+        if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
+            master_key == REMAINDER_KEY
+        ):
             _convert_master(param, state, master_key)
         return state
 
@@ -302,10 +304,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             bucket = buckets.get(key)
             if bucket is None:
                 master_key = _master_key(group["master_weights"], param.dtype)
-                bucket = buckets[key] = Bucket(group, param.device, master_key)
+                state_keys = ("step", *self._moment_keys(group))
+                bucket = buckets[key] = Bucket(group, param.device, master_key, state_keys)
             bucket.params.append(param)
             bucket.grads.append(grad)
-            bucket.states.append(self._state_of(param, group, bucket.master_key))
+            bucket.states.append(self._state_of(param, bucket))
         return list(buckets.values())
 
     # --- AMP: the read-only pass and clipping -------------------------------------------------
