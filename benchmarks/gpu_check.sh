@@ -32,7 +32,7 @@ tail -n 15 "$OUT/tests.log"
 bench_rc=0
 for bench in benchmarks/bench_*.py; do
   name=$(basename "$bench" .py)
-  timeout 150 "$PYTHON" "$bench" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || bench_rc=1
+  timeout 150 "$PYTHON" -m "benchmarks.$name" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || bench_rc=1
   tail -n 25 "$OUT/$name.log"
 done
 echo "gpu_check: tests rc=$tests_rc, benchmarks rc=$bench_rc, total $(( $(date +%s) - start )) s"

@@ -11,9 +11,23 @@ from typing import Any
 
 import torch
 
-from fusedamp import _C, ops
+from fusedamp import _C, diagnostics, nn, ops
+from fusedamp.autocast import autocast
+from fusedamp.grad_scaler import GradScaler
+from fusedamp.optim import FusedAdamW, FusedSGD
+from fusedamp.precision import half_model
 
-__all__ = ["build_info", "ops"]
+__all__ = [
+    "FusedAdamW",
+    "FusedSGD",
+    "GradScaler",
+    "autocast",
+    "build_info",
+    "diagnostics",
+    "half_model",
+    "nn",
+    "ops",
+]
 
 
 def build_info() -> dict[str, Any]:

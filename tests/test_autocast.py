@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from fusedamp import ops
 from fusedamp.autocast import autocast
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -150,3 +151,32 @@ def test_cuda_regions_match_torch(dtype: torch.dtype | None) -> None:
     assert loss.dtype == torch.float32
     assert torch.equal(out, expected)
     assert torch.equal(loss, expected_loss)
+
+
+def test_fused_gemm_routes_linear_and_matmul_through_fusedamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fused_gemm=True the region's F.linear and matmul run on ops.gemm (counted
+    through a wrapper), with results equal to torch's bf16 autocast up to rounding order."""
+    calls = []
+    real_gemm = ops.gemm
+
+    def counting_gemm(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(args[0].shape)
+        return real_gemm(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gemm", counting_gemm)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, 24, generator=generator)
+    layer = torch.nn.Linear(24, 16)
+    other = torch.randn(16, 9, generator=generator)
+    with torch.autocast("cpu"):
+        expected = layer(x) @ other
+    with autocast("cpu", fused_gemm=True):
+        routed = layer(x) @ other
+    assert len(calls) == 2
+    assert routed.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(routed.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    with autocast("cpu"):
+        layer(x)
+    with autocast("cpu", fused_gemm=True, enabled=False):
+        layer(x)
+    assert len(calls) == 2, "routing must be off by default and when autocast is disabled"
