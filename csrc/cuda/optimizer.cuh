@@ -16,9 +16,6 @@ namespace fusedamp::cuda {
 // kernels stay within ~64 registers, four 256-thread blocks per SM.
 constexpr int kOptimizerElements = 4;
 
-template <MasterKind M>
-using master_storage_t = std::conditional_t<M == MasterKind::kRemainder, int16_t, float>;
-
 // The step's scalar inputs as device pointers, read by every block: nothing here makes the host
 // wait for the device.
 struct StepInputs {

@@ -2,6 +2,8 @@
 // master, or a bf16 param plus the 16 "remainder" bits that make it an exact fp32 master.
 #pragma once
 
+#include <type_traits>
+
 #include "fusedamp/math/dtypes.h"
 
 namespace fusedamp {
@@ -11,6 +13,10 @@ enum class MasterKind : int32_t {
   kFloat32 = 1,    // fp32 master; the param receives the master rounded to nearest even
   kRemainder = 2,  // bf16 param = high half of the master, int16 remainder = the rest
 };
+
+// The element type of a master tensor (none for kNone: the pointer is then never used).
+template <MasterKind M>
+using master_storage_t = std::conditional_t<M == MasterKind::kRemainder, int16_t, float>;
 
 }  // namespace fusedamp
 
