@@ -182,10 +182,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         super().__setstate__(state)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
-        # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
+        # Groups loaded from a torch.optim state_dict lack fusedamp's own options. torch's
+        # "differentiable" (which Optimizer.__setstate__ adds to the defaults) is not one: the
+        # fused step ignores it, and copying it into the groups would make a resumed
+        # state_dict differ from the uninterrupted one.
         for group in self.param_groups:
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
+                if key != "differentiable":
+                    group.setdefault(key, value)
 
     @abstractmethod
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
