@@ -38,6 +38,14 @@ static void check_dense_tensor(const at::Tensor& tensor, const std::string& what
               " is not contiguous; call .contiguous() on it (fused kernels read memory linearly)");
 }
 
+static bool is_dense_on(const at::Tensor& tensor, const at::Device& device) {
+  return tensor.layout() == at::kStrided && tensor.device() == device && tensor.is_contiguous();
+}
+
+static bool is_scalar_on(const at::Tensor& tensor, const at::Device& device) {
+  return tensor.scalar_type() == at::kFloat && tensor.numel() == 1 && tensor.device() == device;
+}
+
 static std::string item_name(const char* list, size_t index) {
   return std::string(list) + "[" + std::to_string(index) + "]";
 }
@@ -46,6 +54,9 @@ void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const ch
   const at::Device device = found_inf.device();
   check_scalar_tensor(found_inf, (std::string(op) + ": found_inf").c_str(), device);
   for (size_t i = 0; i < grads.size(); ++i) {
+    const at::ScalarType dtype = grads[i].scalar_type();
+    const bool float_type = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+    if (float_type && is_dense_on(grads[i], device)) continue;  // see [note: lazy names]
     const std::string what = std::string(op) + ": " + item_name("grads", i);
     check_dense_tensor(grads[i], what, device);
     float_dtype_of(grads[i], what);
@@ -97,12 +108,26 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
     call.master_kind = remainder ? MasterKind::kRemainder : MasterKind::kFloat32;
   }
 
+  // [note: lazy names] Each tensor is first checked with plain comparisons; only a tensor that
+  // fails gets the descriptive checks, whose names cost a string each: a call over thousands of
+  // small tensors must not pay for messages it never prints.
+  const at::ScalarType param_type = params[0].scalar_type();
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
+    auto companion_ok = [&](const at::Tensor& t, at::ScalarType dtype) {
+      return is_dense_on(t, call.device) && t.scalar_type() == dtype && t.numel() == param.numel();
+    };
+    bool ok = is_dense_on(param, call.device) && param.scalar_type() == param_type &&
+              companion_ok(grads[i], grads[0].scalar_type()) && is_scalar_on(steps[i], call.device) &&
+              (masters.empty() || companion_ok(masters[i], masters[0].scalar_type()));
+    for (const StateList& state : states) {
+      ok = ok && (state.tensors.empty() || companion_ok(state.tensors[i], at::kFloat));
+    }
+    if (ok) continue;
     const std::string param_name = prefix + item_name("params", i);
     check_dense_tensor(param, param_name, call.device);
-    TORCH_CHECK_TYPE(param.scalar_type() == params[0].scalar_type(), "fusedamp: ", param_name,
-                     " is ", param.scalar_type(), " but params[0] is ", params[0].scalar_type(),
+    TORCH_CHECK_TYPE(param.scalar_type() == param_type, "fusedamp: ", param_name,
+                     " is ", param.scalar_type(), " but params[0] is ", param_type,
                      "; one call takes one param dtype (the optimizers group by dtype)");
     auto check_companion = [&](const at::Tensor& t, const std::string& name, at::ScalarType dtype) {
       check_dense_tensor(t, name, call.device);

@@ -1,9 +1,10 @@
 // CUDA backend of fusedamp::grad_stats: one block per chunk of any grad; each block reduces
 // its chunk and adds the result to its grad's row with atomics. One launch, no host sync.
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -114,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
     std::memcpy(bytes + task_offset, tasks.data(), sizeof(ChunkTask) * tasks.size());
     const at::Tensor device_meta = host.to(call.device, /*non_blocking=*/true);
     const auto* device_bytes = static_cast<const uint8_t*>(device_meta.const_data_ptr());
-    grad_stats_kernel<<<unsigned(tasks.size()), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    grad_stats_kernel<<<unsigned(tasks.size()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
         reinterpret_cast<const TensorMeta*>(device_bytes),
         reinterpret_cast<const ChunkTask*>(device_bytes + task_offset),
         inv_scale ? inv_scale->const_data_ptr<float>() : nullptr,
