@@ -1,0 +1,176 @@
+"""fusedamp.GradScaler with FusedAdamW/FusedSGD under DistributedDataParallel: two CPU processes
+(gloo, 127.0.0.1) train as one process does on the global batch, and an overflow on one rank
+skips the step on every rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import fusedamp
+
+WORLD_SIZE = 2
+STEPS = 6
+GLOBAL_BATCH = 16
+# At this step one sample of rank 1's half of the batch is inf: the loss and grads overflow.
+OVERFLOW_STEP = 3
+OVERFLOW_ROW = GLOBAL_BATCH // WORLD_SIZE + 1
+TIMEOUT_S = 120
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # An fp32 layer and a bf16 one (fp32 master in the optimizer).
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3).to(torch.bfloat16))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = make_model()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.layers[1](self.layers[0](inputs))
+        return self.layers[2](hidden.to(torch.bfloat16)).float()
+
+
+def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
+    if optimizer == "adamw":
+        return fusedamp.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return fusedamp.FusedSGD(model.parameters(), lr=5e-2, momentum=0.9)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    inputs = torch.randn(GLOBAL_BATCH, 6, generator=generator)
+    target = torch.randn(GLOBAL_BATCH, 3, generator=generator)
+    if step == OVERFLOW_STEP:
+        inputs[OVERFLOW_ROW] = float("inf")
+    return inputs, target
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rows: slice) -> dict[str, Any]:
+    """STEPS steps on ``rows`` of each global batch; returns what the test compares."""
+    scaler = fusedamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    skipped, scales, unchanged_by_skip = [], [], None
+    for step in range(STEPS):
+        inputs, target = batch(step)
+        opt.zero_grad()
+        with fusedamp.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
+        scaler.scale(loss).backward()
+        before = [param.detach().clone() for param in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(bool(scaler.step_skipped))
+        scales.append(scaler.get_scale())
+        if step == OVERFLOW_STEP:
+            unchanged_by_skip = all(
+                torch.equal(old, new) for old, new in zip(before, model.parameters(), strict=True)
+            )
+    return {
+        "params": [param.detach().clone() for param in model.parameters()],
+        "skipped": skipped,
+        "scales": scales,
+        "unchanged_by_skip": unchanged_by_skip,
+    }
+
+
+def ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    """One DDP rank: trains with each optimizer on its half of every global batch, saves the
+    results."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+        )
+        try:
+            per_rank = GLOBAL_BATCH // WORLD_SIZE
+            result = {}
+            for optimizer in OPTIMIZERS:
+                model = DistributedDataParallel(Net())
+                opt = make_optimizer(model, optimizer)
+                result[optimizer] = train(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
+            torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+            # Rank 0 hosts the store: it must not leave while rank 1 still talks to it.
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[str, Any]]:
+    """Runs ``target(rank, port, *args, out_dir)`` in WORLD_SIZE spawned processes."""
+    context = multiprocessing.get_context("spawn")
+    port = free_port()
+    processes = [
+        context.Process(target=target, args=(rank, port, *args, str(out_dir)), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(TIMEOUT_S)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    errors = sorted(out_dir.glob("*.error"))
+    assert not errors, "\n".join(path.read_text() for path in errors)
+    assert all(process.exitcode == 0 for process in processes), [p.exitcode for p in processes]
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Each rank's results, both optimizers trained in one spawn of the two ranks."""
+    return run_ranks(ddp_worker, (), tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_ddp_matches_one_process_and_skips_overflow_on_every_rank(
+    optimizer: str, ddp_results: list[dict[str, Any]]
+) -> None:
+    """Two gloo ranks, each on half of the global batch, under DDP, bf16 autocast and
+    fusedamp.GradScaler: the same weights as one process on the whole batch (up to the order of
+    the gradient sums), identical on both ranks; the inf in rank 1's inputs reaches rank 0
+    through DDP's gradient all-reduce, so both ranks skip that step and back the scale off."""
+    ranks = [result[optimizer] for result in ddp_results]
+    model = Net()
+    single = train(model, make_optimizer(model, optimizer), slice(0, GLOBAL_BATCH))
+
+    expected_skips = [step == OVERFLOW_STEP for step in range(STEPS)]
+    assert single["skipped"] == expected_skips
+    for result in ranks:
+        assert result["skipped"] == expected_skips
+        assert result["unchanged_by_skip"] is True
+        assert result["scales"] == single["scales"] == [256.0, 512.0, 512.0, 256.0, 256.0, 512.0]
+    for param0, param1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(param0, param1)
+    initial = list(Net().parameters())
+    for got, want, start in zip(ranks[0]["params"], single["params"], initial, strict=True):
+        # Under autocast the weight grads are bf16 sums over 8 rows averaged across ranks
+        # against sums over 16 rows: they differ by bf16 roundings (2^-8 relative), which the
+        # optimizer carries into the weights, ~lr * 2^-8 per step. Training moved them ~10x more.
+        assert (got.float() - start.float()).abs().max() > 1e-2
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
