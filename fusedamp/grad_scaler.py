@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fusedamp import ops
+from fusedamp import _dtensor, ops
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -150,6 +150,7 @@ class GradScaler:
             for grad, unscaled in write_backs:
                 grad.copy_(unscaled)
             found_inf_per_device[device] = found_inf
+        _combine_ranks(found_inf_per_device, optimizer)
         state["found_inf_per_device"] = found_inf_per_device
         state["stage"] = OptState.UNSCALED
 
@@ -174,6 +175,7 @@ class GradScaler:
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
                 state["found_inf_per_device"] = self._check_grads(optimizer)
+                _combine_ranks(state["found_inf_per_device"], optimizer)
             optimizer.grad_scale = None if state["stage"] is OptState.UNSCALED else self._scale
             optimizer.found_inf = _combine(state["found_inf_per_device"].values(), self._scale.device)
             try:
@@ -392,8 +394,25 @@ class GradScaler:
         return _combine(found_infs, self._scale.device) if found_infs else None
 
 
+def _combine_ranks(
+    found_inf_per_device: dict[torch.device, Tensor], optimizer: torch.optim.Optimizer
+) -> None:
+    """With DTensor (FSDP2) grads each rank checked only its shards: sums every found_inf over
+    the ranks of their device meshes, in place, so that all ranks skip the same steps (kept
+    0 or 1, as :func:`_combine` keeps it)."""
+    meshes = _dtensor.meshes_of(
+        param.grad for group in optimizer.param_groups for param in group["params"]
+        if param.grad is not None
+    )
+    if meshes:
+        for found_inf in found_inf_per_device.values():
+            _dtensor.all_reduce_sum_(found_inf, meshes)
+            found_inf.clamp_(max=1.0)
+
+
 def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, list[Tensor]]:
-    """The optimizer's gradients (the values of sparse ones), grouped by device; dtypes mix."""
+    """The optimizer's gradients (the values of sparse ones, the local shards of DTensors),
+    grouped by device; dtypes mix."""
     grads: defaultdict[torch.device, list[Tensor]] = defaultdict(list)
     with torch.no_grad():
         for group in optimizer.param_groups:
@@ -407,7 +426,7 @@ def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, lis
                     if grad.dtype == torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                grads[grad.device].append(grad)
+                grads[grad.device].append(_dtensor.local(grad))
     return grads
 
 

@@ -1,6 +1,8 @@
-"""fusedamp.GradScaler with FusedAdamW/FusedSGD under DistributedDataParallel: two CPU processes
-(gloo, 127.0.0.1) train as one process does on the global batch, and an overflow on one rank
-skips the step on every rank.
+"""fusedamp.GradScaler with FusedAdamW/FusedSGD under DistributedDataParallel and FSDP2
+(``fully_shard``): two CPU processes (gloo, 127.0.0.1) train as one process does on the global
+batch, and an overflow on one rank skips the step on every rank.
+
+Both ranks run every scenario in one spawn (starting processes is the slow part).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fusedamp
@@ -67,16 +71,33 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, target
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, rows: slice) -> dict[str, Any]:
-    """STEPS steps on ``rows`` of each global batch; returns what the test compares."""
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, rows: slice, sharded_overflow: bool = False
+) -> dict[str, Any]:
+    """STEPS steps on ``rows`` of each global batch; returns what the test compares.
+
+    ``sharded_overflow``: at OVERFLOW_STEP the inputs stay finite and an inf is written into
+    the first layer's weight grad after backward instead, into rows 8-15, which FSDP2 gives to
+    rank 1 only; elsewhere the inputs are finite at every step.
+    """
     scaler = fusedamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     skipped, scales, unchanged_by_skip = [], [], None
+    first_weight = model.module.layers[0].weight if hasattr(model, "module") else model.layers[0].weight
     for step in range(STEPS):
         inputs, target = batch(step)
+        if sharded_overflow:
+            inputs = inputs.nan_to_num(posinf=0.0)
         opt.zero_grad()
         with fusedamp.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
         scaler.scale(loss).backward()
+        if sharded_overflow and step == OVERFLOW_STEP:
+            grad = first_weight.grad
+            if isinstance(grad, DTensor):
+                if dist.get_rank() == 1:
+                    grad.to_local()[0, 0] = float("inf")
+            else:
+                grad[8, 0] = float("inf")
         before = [param.detach().clone() for param in model.parameters()]
         scaler.step(opt)
         scaler.update()
@@ -94,6 +115,25 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rows: slice) -> dict[str
     }
 
 
+def make_fsdp2_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    # Clipping needs the global norm: the ranks' sums of squares are all-reduced.
+    return fusedamp.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+
+
+def train_fsdp2(rows: slice) -> dict[str, Any]:
+    """FSDP2 on this rank: each layer sharded (the fp32 one and the bf16 one, whose optimizer
+    state holds the fp32 master of the local shard), FusedAdamW updating the local shards."""
+    model = Net()
+    fully_shard(model.layers[0])
+    fully_shard(model.layers[2])
+    fully_shard(model)
+    assert isinstance(model.layers[0].weight, DTensor)
+    result = train(model, make_fsdp2_optimizer(model), rows, sharded_overflow=True)
+    # The full params, gathered, for comparison with the unsharded run.
+    result["params"] = [param.detach().full_tensor() for param in model.parameters()]
+    return result
+
+
 def ddp_worker(rank: int, port: int, out_dir: str) -> None:
     """One DDP rank: trains with each optimizer on its half of every global batch, saves the
     results."""
@@ -109,6 +149,7 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
                 model = DistributedDataParallel(Net())
                 opt = make_optimizer(model, optimizer)
                 result[optimizer] = train(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
+            result["fsdp2"] = train_fsdp2(rows=slice(rank * per_rank, (rank + 1) * per_rank))
             torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
             # Rank 0 hosts the store: it must not leave while rank 1 still talks to it.
             dist.barrier()
@@ -172,5 +213,30 @@ def test_ddp_matches_one_process_and_skips_overflow_on_every_rank(
         # Under autocast the weight grads are bf16 sums over 8 rows averaged across ranks
         # against sums over 16 rows: they differ by bf16 roundings (2^-8 relative), which the
         # optimizer carries into the weights, ~lr * 2^-8 per step. Training moved them ~10x more.
+        assert (got.float() - start.float()).abs().max() > 1e-2
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict[str, Any]]) -> None:
+    """FSDP2 (fully_shard) on two gloo ranks: FusedAdamW steps the DTensor params' local shards
+    (fp32 masters of the bf16 layer's shards) with fused clipping to the global norm. An inf
+    written into a grad shard that only rank 1 holds is found by rank 1 alone; the scaler sums
+    found_inf over the ranks, so rank 0 skips too (> 0 on both) and the shards stay in step.
+    The gathered weights match one unsharded process on the global batch."""
+    ranks = [result["fsdp2"] for result in ddp_results]
+    model = Net()
+    single = train(model, make_fsdp2_optimizer(model), slice(0, GLOBAL_BATCH), sharded_overflow=True)
+
+    expected_skips = [step == OVERFLOW_STEP for step in range(STEPS)]
+    assert single["skipped"] == expected_skips
+    for result in ranks:
+        assert result["skipped"] == expected_skips
+        assert result["unchanged_by_skip"] is True
+        assert result["scales"] == single["scales"]
+    for param0, param1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(param0, param1)
+    initial = list(Net().parameters())
+    for got, want, start in zip(ranks[0]["params"], single["params"], initial, strict=True):
+        assert got.dtype == start.dtype and got.shape == start.shape
         assert (got.float() - start.float()).abs().max() > 1e-2
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)

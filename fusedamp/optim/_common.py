@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from fusedamp import ops
+from fusedamp import _dtensor, ops
 
 __all__ = [
     "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "join_bf16_remainder", "lr_for_device",
@@ -205,16 +205,17 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             return torch.zeros((), dtype=torch.float32, device=param.device)
         return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
 
-    def _state_of(self, param: Tensor, bucket: Bucket) -> dict[str, Any]:
+    def _state_of(self, param: Tensor, bucket: Bucket, local_param: Tensor) -> dict[str, Any]:
+        """The state of ``param``; a DTensor param's state is shaped like its ``local_param``."""
         state = self.state[param]
         for key in bucket.state_keys:
             if key not in state:
-                state[key] = self._new_state(key, param, state)
+                state[key] = self._new_state(key, local_param, state)
         master_key = bucket.master_key
         if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
             master_key == REMAINDER_KEY
         ):
-            _convert_master(param, state, master_key)
+            _convert_master(local_param, state, master_key)
         return state
 
     def master_of(self, param: Tensor) -> Tensor:
@@ -310,9 +311,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 master_key = _master_key(group["master_weights"], param.dtype)
                 state_keys = ("step", *self._moment_keys(group))
                 bucket = buckets[key] = Bucket(group, param.device, master_key, state_keys)
-            bucket.params.append(param)
-            bucket.grads.append(grad)
-            bucket.states.append(self._state_of(param, bucket))
+            # DTensor (FSDP2) params are updated through their local shards.
+            local_param = _dtensor.local(param)
+            bucket.params.append(local_param)
+            bucket.grads.append(_dtensor.local(grad))
+            bucket.states.append(self._state_of(param, bucket, local_param))
         return list(buckets.values())
 
     # --- AMP: the read-only pass and clipping -------------------------------------------------
@@ -333,17 +336,34 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _check_and_norm(
         self, inv_scale: Tensor | None
     ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
-        """found_inf and, with clipping on, the sum of squares of the unscaled grads per device."""
+        """found_inf and, with clipping on, the sum of squares of the unscaled grads per device.
+
+        found_inf is this rank's (GradScaler combines the ranks'). The sums of DTensor grads
+        are summed over the ranks of their meshes, so that the norm is the global norm; plain
+        grads next to them count once, as replicated params do.
+        """
         grads: dict[torch.device, list[Tensor]] = {}
+        sharded: dict[torch.device, list[Tensor]] = {}
         for _, param, grad in self._grads():
-            grads.setdefault(param.device, []).append(grad)
+            (sharded if _dtensor.is_dtensor(grad) else grads).setdefault(param.device, []).append(grad)
         found: dict[torch.device, Tensor] = {}
         sums: dict[torch.device, Tensor] = {}
-        for device, device_grads in grads.items():
+        for device in [*grads, *(device for device in sharded if device not in grads)]:
             found[device] = torch.zeros((), dtype=torch.float32, device=device)
             if self.max_grad_norm is not None:
                 sums[device] = torch.zeros((), dtype=torch.float32, device=device)
-            ops.check_and_norm_(device_grads, found[device], sums.get(device), _on(inv_scale, device))
+            device_inv_scale = _on(inv_scale, device)
+            if device in sharded:
+                sharded_sum = None
+                if self.max_grad_norm is not None:
+                    sharded_sum = torch.zeros((), dtype=torch.float32, device=device)
+                local_grads = [_dtensor.local(grad) for grad in sharded[device]]
+                ops.check_and_norm_(local_grads, found[device], sharded_sum, device_inv_scale)
+                if sharded_sum is not None:
+                    _dtensor.all_reduce_sum_(sharded_sum, _dtensor.meshes_of(sharded[device]))
+                    sums[device] += sharded_sum
+            if device in grads:
+                ops.check_and_norm_(grads[device], found[device], sums.get(device), device_inv_scale)
         return found, sums
 
     def _clip_coef(self, sums: dict[torch.device, Tensor]) -> Tensor:
