@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -240,3 +242,27 @@ def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict
         assert got.dtype == start.dtype and got.shape == start.shape
         assert (got.float() - start.float()).abs().max() > 1e-2
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_torchrun_example_trains_and_checkpoints(tmp_path: Path) -> None:
+    """examples/train_ddp.py under torchrun, two CPU processes (gloo): it trains, logs from
+    rank 0 only, and leaves a checkpoint that loads with weights_only=True at the last step."""
+    root = Path(__file__).resolve().parent.parent
+    checkpoint = tmp_path / "run" / "checkpoint.pt"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+        str(root / "examples" / "train_ddp.py"), "--steps=4", "--batch-size=8",
+        "--save-every=2", "--log-every=2", f"--checkpoint={checkpoint}",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    lines = [line for line in completed.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"]
+    assert all(", 0 skipped, " in line and line.endswith(", 2 ranks") for line in lines)
+    state = torch.load(checkpoint, weights_only=True)
+    assert state["step"] == 4
+    assert state["scaler"]["scale"] == 2.0**16
+    assert {float(param_state["step"]) for param_state in state["optimizer"]["state"].values()} == {4.0}
