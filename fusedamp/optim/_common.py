@@ -8,6 +8,7 @@ step never reads a tensor value on the host.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         if max_grad_norm is not None and not 0.0 < max_grad_norm:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
         super().__init__(params, defaults)
+        self._check_hyperparameters()
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Tensor | None = None
         # Set by _fusedamp_check_grads, used (once) by the step that follows it.
@@ -190,6 +192,25 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             for key, value in self.defaults.items():
                 if key != "differentiable":
                     group.setdefault(key, value)
+
+    def _check_hyperparameters(self) -> None:
+        """Raises ValueError if a group holds a float option (lr, eps, betas, momentum, ...)
+        that is NaN or infinite, which the ops refuse.
+
+        step() checks every group before it updates any, so that a bad value in one group
+        (set after construction, by hand or by a scheduler) leaves every param and state as
+        it was instead of failing halfway through the step.
+        """
+        for index, group in enumerate(self.param_groups):
+            for key, value in group.items():
+                if key == "params":
+                    continue
+                for item in value if isinstance(value, tuple) else (value,):
+                    if isinstance(item, float) and not math.isfinite(item):
+                        raise ValueError(
+                            f"{type(self).__name__}: {key}={value!r} in param group {index}; it "
+                            "must be finite"
+                        )
 
     @abstractmethod
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
@@ -274,6 +295,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        self._check_hyperparameters()
         buckets = self._buckets()
         clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
         if clip_coef is None and self.max_grad_norm is not None and buckets:
