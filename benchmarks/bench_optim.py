@@ -186,6 +186,14 @@ def main() -> None:
                     "fewest samples kept": kept,
                     "copy GB/s": copy_rate,
                     "stream GB/s": stream_rate,
+                    # The keys python -m benchmarks groups and compares by.
+                    "bench": kind,
+                    "case": dtype_name,
+                    "impl": peer,
+                    "device": device,
+                    "time_ms": step_seconds * 1e3,
+                    "gbps": rate,
+                    "ceiling_gbps": copy_rate,
                 }
                 if peer.startswith("fusedamp"):
                     row["speedup"] = {
