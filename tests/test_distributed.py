@@ -7,6 +7,7 @@ Both ranks run every scenario in one spawn (starting processes is the slow part)
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
 import socket
@@ -125,15 +126,47 @@ def make_fsdp2_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def train_fsdp2(rows: slice) -> dict[str, Any]:
     """FSDP2 on this rank: each layer sharded (the fp32 one and the bf16 one, whose optimizer
     state holds the fp32 master of the local shard), FusedAdamW updating the local shards."""
+    model = sharded_net()
+    assert isinstance(model.layers[0].weight, DTensor)
+    opt = make_fsdp2_optimizer(model)
+    result = train(model, opt, rows, sharded_overflow=True)
+    # The full params, gathered, for comparison with the unsharded run.
+    result["params"] = [param.detach().full_tensor() for param in model.parameters()]
+    result["resumed_step_equal"] = resume_sharded(model, opt, rows)
+    return result
+
+
+def sharded_net() -> Net:
     model = Net()
     fully_shard(model.layers[0])
     fully_shard(model.layers[2])
     fully_shard(model)
-    assert isinstance(model.layers[0].weight, DTensor)
-    result = train(model, make_fsdp2_optimizer(model), rows, sharded_overflow=True)
-    # The full params, gathered, for comparison with the unsharded run.
-    result["params"] = [param.detach().full_tensor() for param in model.parameters()]
-    return result
+    return model
+
+
+def resume_sharded(model: Net, opt: torch.optim.Optimizer, rows: slice) -> bool:
+    """Each rank's optimizer state_dict (its shards' steps, moments and masters: plain tensors)
+    through torch.save / torch.load(weights_only=True) into a fresh sharded model and optimizer;
+    whether one more step of both gives bitwise the same local shards."""
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    resumed = sharded_net()
+    resumed.load_state_dict(model.state_dict())
+    resumed_opt = make_fsdp2_optimizer(resumed)
+    resumed_opt.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    inputs, target = batch(STEPS)
+    for net, optimizer in ((model, opt), (resumed, resumed_opt)):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(inputs[rows]), target[rows]).backward()
+        optimizer.step()
+    return all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), resumed.parameters(), strict=True)
+    ) and all(
+        torch.equal(a, b)
+        for param, resumed_param in zip(model.parameters(), resumed.parameters(), strict=True)
+        for a, b in zip(opt.state[param].values(), resumed_opt.state[resumed_param].values(), strict=True)
+    )
 
 
 def ddp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -162,8 +195,9 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
         raise
 
 
-def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[str, Any]]:
-    """Runs ``target(rank, port, *args, out_dir)`` in WORLD_SIZE spawned processes."""
+def spawn_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[int | None]:
+    """Runs ``target(rank, port, *args, out_dir)`` in WORLD_SIZE spawned processes; their exit
+    codes."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
@@ -178,10 +212,26 @@ def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[st
         if process.is_alive():
             process.kill()
             process.join()
-    errors = sorted(out_dir.glob("*.error"))
-    assert not errors, "\n".join(path.read_text() for path in errors)
-    assert all(process.exitcode == 0 for process in processes), [p.exitcode for p in processes]
-    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
+    return [process.exitcode for process in processes]
+
+
+def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[str, Any]]:
+    """Each rank's saved results. A Python error in any rank fails at once with its traceback.
+
+    A rank that dies without one (rarely, gloo aborts a process at teardown with "terminate
+    called without an active exception", or the free port was taken in between) is retried
+    once in a fresh directory, on a fresh port.
+    """
+    for attempt in range(2):
+        attempt_dir = out_dir / f"attempt{attempt}"
+        attempt_dir.mkdir()
+        exit_codes = spawn_ranks(target, args, attempt_dir)
+        errors = sorted(attempt_dir.glob("*.error"))
+        assert not errors, "\n".join(path.read_text() for path in errors)
+        if all(code == 0 for code in exit_codes):
+            break
+    assert all(code == 0 for code in exit_codes), f"the ranks exited with {exit_codes}"
+    return [torch.load(attempt_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +274,8 @@ def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict
     (fp32 masters of the bf16 layer's shards) with fused clipping to the global norm. An inf
     written into a grad shard that only rank 1 holds is found by rank 1 alone; the scaler sums
     found_inf over the ranks, so rank 0 skips too (> 0 on both) and the shards stay in step.
-    The gathered weights match one unsharded process on the global batch."""
+    The gathered weights match one unsharded process on the global batch, and each rank's
+    optimizer state_dict round-trips through torch.load(weights_only=True) to the same next step."""
     ranks = [result["fsdp2"] for result in ddp_results]
     model = Net()
     single = train(model, make_fsdp2_optimizer(model), slice(0, GLOBAL_BATCH), sharded_overflow=True)
@@ -235,6 +286,7 @@ def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict
         assert result["skipped"] == expected_skips
         assert result["unchanged_by_skip"] is True
         assert result["scales"] == single["scales"]
+        assert result["resumed_step_equal"] is True
     for param0, param1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(param0, param1)
     initial = list(Net().parameters())
