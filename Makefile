@@ -13,7 +13,7 @@ $(PY):
 
 $(VENV)/.deps-installed: $(PY)
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" ninja setuptools wheel \
-		pytest numpy expecttest hypothesis ruff nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+		pytest numpy expecttest hypothesis ruff matplotlib nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 	touch $@
 
 setup: $(VENV)/.deps-installed
