@@ -14,7 +14,6 @@ from fusedamp.models import build_model, resnet18, resnet50
 
 TINY = ["--train-size", "192", "--test-size", "64", "--batch-size", "32", "--epochs", "1",
         "--width", "4", "--diag-every", "2", "--device", "cpu"]
-HAVE_FUSEDAMP_AMP = importlib.util.find_spec("fusedamp.grad_scaler") is not None
 FUSEDAMP_MODES = ["fusedamp", "fusedamp-o2"]
 
 
@@ -70,8 +69,6 @@ def run_demo(tmp_path, *extra):
 
 @pytest.mark.parametrize("modes", ["fp32,torch-amp", *FUSEDAMP_MODES])
 def test_demo_end_to_end(tmp_path, capsys, modes):
-    if modes in FUSEDAMP_MODES and not HAVE_FUSEDAMP_AMP:
-        pytest.skip("fusedamp.GradScaler / autocast are not in this checkout yet")
     results, saved = run_demo(tmp_path, "--modes", modes)
     out = capsys.readouterr().out
     assert "synthetic" in out and "NOT FashionMNIST" in out
@@ -95,7 +92,7 @@ def test_demo_modes_learn_the_same_thing():
     # Same weights, same batches: after a few steps fp32 and AMP losses agree closely.
     data = synthetic_fashion_mnist(256, 64)
     config = demo.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
-    modes = ["fp32", "torch-amp", *(FUSEDAMP_MODES if HAVE_FUSEDAMP_AMP else [])]
+    modes = ["fp32", "torch-amp", *FUSEDAMP_MODES]
     results = [demo.run_mode(mode, data, config, torch.device("cpu"), torch.bfloat16) for mode in modes]
     for result in results[1:]:
         assert result.losses[0] == pytest.approx(results[0].losses[0], rel=0.05)
