@@ -194,6 +194,8 @@ def with_last(args: dict[str, Any], key: str, tensor: torch.Tensor) -> dict[str,
     return {**args, key: [*args[key][:-1], tensor]}
 
 
+SHARED_GRAD = torch.ones(3)
+
 ADAMW_CASES: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type, str]] = [
     ("short list", lambda a: {**a, "grads": a["grads"][:1]}, RuntimeError,
      r"adamw_: grads has 1 tensors but params has 2; pass one per param"),
@@ -215,6 +217,12 @@ ADAMW_CASES: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type, s
     ("nan eps", lambda a: {**a, "eps": float("nan")}, ValueError, "eps is nan; it must be a finite number"),
     ("found_inf dtype", lambda a: {**a, "found_inf": torch.zeros((), dtype=torch.float64)}, TypeError,
      "found_inf must be a float32 tensor, got Double"),
+    ("grad is its param", lambda a: with_last(a, "grads", a["params"][-1]), RuntimeError,
+     r"adamw_: params\[1\] and grads\[1\] share memory|adamw_: grads\[1\] and params\[1\] share memory"),
+    ("one moment twice", lambda a: with_last(a, "exp_avg_sqs", a["exp_avgs"][-1]), RuntimeError,
+     r"exp_av\w*\[1\] and exp_av\w*\[1\] share memory"),
+    ("overlapping params", lambda a: {**a, "params": list(torch.randn(6).as_strided((2, 4), (2, 1)))},
+     RuntimeError, r"params\[0\] and params\[1\] share memory"),
 ]
 
 
@@ -244,6 +252,8 @@ def test_adamw_op_refuses_and_writes_nothing(
          TypeError, "found_inf must be a float32 tensor, got Half"),
         ([torch.ones(3)], torch.zeros(()), torch.full((2,), 0.5),
          RuntimeError, r"inv_scale must hold exactly one element, got shape \[2\]"),
+        ([SHARED_GRAD, torch.ones(2), SHARED_GRAD], torch.zeros(()), torch.full((), 0.5),
+         RuntimeError, r"unscale_: grads\[0\] and grads\[2\] share memory"),
     ],
 )
 def test_unscale_op_refuses_and_writes_nothing(

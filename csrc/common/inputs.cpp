@@ -1,6 +1,7 @@
 // Argument validation shared by the CPU and CUDA backends (see inputs.h).
 #include "inputs.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace fusedamp {
@@ -66,6 +67,38 @@ void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const ch
 void check_hyperparameter(double value, const char* name, const char* op) {
   TORCH_CHECK_VALUE(std::isfinite(value), "fusedamp: ", op, ": ", name, " is ", value,
                     "; it must be a finite number");
+}
+
+// Two tensors an op writes (or one it writes and one it reads) must not share memory: the
+// kernels would read values they already changed (a grad that is also its param, the same grad
+// twice in an unscale_ list). Byte ranges of every non-empty tensor, sorted, checked pairwise
+// with their neighbours; contiguity (checked before) makes each tensor one range.
+struct MemoryRange {
+  uintptr_t begin;
+  uintptr_t end;
+  const char* list;
+  size_t index;
+};
+
+static void check_no_shared_memory(const char* op,
+                                   const std::vector<std::pair<at::TensorList, const char*>>& lists) {
+  std::vector<MemoryRange> ranges;
+  for (const auto& [tensors, name] : lists) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(tensors[i].data_ptr());
+      ranges.push_back({begin, begin + tensors[i].nbytes(), name, i});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    const MemoryRange& first = ranges[k - 1];
+    const MemoryRange& second = ranges[k];
+    TORCH_CHECK(second.begin >= first.end, "fusedamp: ", op, ": ", first.list, "[", first.index,
+                "] and ", second.list, "[", second.index, "] share memory; every tensor an op "
+                "updates must have its own storage (pass distinct tensors, e.g. .clone())");
+  }
 }
 
 OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::TensorList grads,
@@ -161,11 +194,16 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
   if (clip_coef.has_value()) {
     check_scalar_tensor(*clip_coef, (prefix + "clip_coef").c_str(), call.device);
   }
+  std::vector<std::pair<at::TensorList, const char*>> updated = {
+      {params, "params"}, {grads, "grads"}, {masters, "masters"}, {steps, "steps"}};
+  for (const StateList& state : states) updated.emplace_back(state.tensors, state.name);
+  check_no_shared_memory(op, updated);
   return call;
 }
 
 void check_unscale_args(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
   check_grad_list(grads, found_inf, "unscale_");
+  check_no_shared_memory("unscale_", {{grads, "grads"}});
   check_scalar_tensor(inv_scale, "unscale_: inv_scale", found_inf.device());
 }
 
