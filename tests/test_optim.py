@@ -390,12 +390,12 @@ needs_cuda = pytest.mark.skipif(
 
 
 @needs_cuda
-@pytest.mark.parametrize("master_weights", [True, False, "remainder"])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "master_weights"),
+    [(dtype, mode) for dtype in DTYPES for mode in (True, False)] + [(torch.bfloat16, "remainder")],
+)
 @pytest.mark.parametrize(("fused_cls", "torch_cls", "name", "options"), [PAIRS[2], PAIRS[-2]])
 def test_cuda_matches_cpu(fused_cls, torch_cls, name, options, dtype, master_weights) -> None:
-    if master_weights == "remainder" and dtype != torch.bfloat16:
-        pytest.skip("remainders are for bf16 params")
     generator = torch.Generator().manual_seed(7)
     initial = random_tensors(SIZES + [1 << 20], dtype, generator)
     runs = {}

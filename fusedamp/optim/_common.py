@@ -21,8 +21,8 @@ from torch import Tensor
 from fusedamp import _dtensor, ops
 
 __all__ = [
-    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "join_bf16_remainder", "lr_for_device",
-    "split_bf16_remainder",
+    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "check_lr", "join_bf16_remainder",
+    "lr_for_device", "split_bf16_remainder",
 ]
 
 MasterWeights = bool | Literal["remainder"]
@@ -118,6 +118,14 @@ class AmpScalars:
     inv_grad_scale: Tensor | None
     found_inf: Tensor | None
     clip_coef: Tensor | None
+
+
+def check_lr(lr: float | Tensor) -> None:
+    """torch.optim's checks of a constructor's lr (a float, or a one-element tensor), NaN included."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
 
 
 class FusedOptimizer(torch.optim.Optimizer, ABC):

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from fusedamp import ops
-from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, lr_for_device
+from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, check_lr, lr_for_device
 
 __all__ = ["FusedAdamW"]
 
@@ -55,10 +55,7 @@ class FusedAdamW(FusedOptimizer):
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not 0.0 <= betas[0] < 1.0:

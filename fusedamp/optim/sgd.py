@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedamp import ops
-from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, lr_for_device
+from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, check_lr, lr_for_device
 
 __all__ = ["FusedSGD"]
 
@@ -42,10 +42,7 @@ class FusedSGD(FusedOptimizer):
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        if not 0.0 <= lr:  # NaN fails too
-            raise ValueError(f"Invalid learning rate: {lr}")
+        check_lr(lr)
         if not 0.0 <= momentum:  # NaN fails too
             raise ValueError(f"Invalid momentum value: {momentum}")
         if not 0.0 <= weight_decay:  # NaN fails too
