@@ -114,7 +114,12 @@ for site in sys.path:
         include_dirs.append(cu_headers)
         break
 
-cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp-simd"]
+# ATen's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp every CPU kernel
+# runs on one thread (csrc/cpu/ops.cpp refuses to compile then). Link the OpenMP runtime torch
+# itself loads (torch/lib/libgomp.so.1), never a second one with its own thread pool.
+cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
+torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+link_flags = ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
 ext_sources = sources("csrc/*.cpp") + sources("csrc/common/*.cpp") + sources("csrc/cpu/*.cpp")
 if with_cuda:
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
@@ -126,10 +131,12 @@ if with_cuda:
         include_dirs=include_dirs,
         define_macros=[("FUSEDAMP_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_flags,
     )
 else:
     extension = CppExtension(
-        "fusedamp._C", ext_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+        "fusedamp._C", ext_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 setup(

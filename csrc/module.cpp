@@ -5,6 +5,7 @@
 
 #include "common/gemm.h"
 #include "cpu/kernels.h"
+#include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
 
@@ -149,6 +150,18 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> locate_chun
   return blocks;
 }
 
+// "param/master" names of the kernel instantiation dispatch.h picks for raw enum values; an
+// impossible combination raises instead of running nothing.
+std::string dispatch_for_test(int32_t param_dtype, int32_t master_kind) {
+  std::string picked;
+  fusedamp::with_float_dtype(fusedamp::DType(param_dtype), [&](auto p) {
+    fusedamp::with_master_kind<decltype(p)::value>(fusedamp::MasterKind(master_kind), [&](auto m) {
+      picked = std::to_string(int32_t(p.value)) + "/" + std::to_string(int32_t(m.value));
+    });
+  });
+  return picked;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -167,6 +180,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("locate_chunks", &locate_chunks_for_test, py::arg("numels"), py::arg("chunk_size"),
         py::arg("max_tensors"), py::arg("max_blocks"),
         "Each block's work as the CUDA kernels find it: (launch, slot, tensor, begin, count).");
+  m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
+        "How many threads the CPU ops' at::parallel_for runs on.");
+  m.def("dispatch_for_test", &dispatch_for_test, py::arg("param_dtype"), py::arg("master_kind"),
+        "The 'param/master' kernel dispatch.h picks for raw DType and MasterKind values.");
 #ifdef FUSEDAMP_WITH_CUDA
   m.attr("cuda_compiled") = true;
 #else

@@ -11,7 +11,7 @@ TORCH_LIBRARY(fusedamp, m) {
   m.def(
       "check_and_norm_(Tensor[] grads, Tensor(a!) found_inf, Tensor(b!)? sum_of_squares, "
       "Tensor? inv_scale) -> ()");
-  // Dynamic loss scale on the device (math/scale.h): backoff on found_inf > 0 after
+  // Dynamic loss scale on the device (math/scale.h): backoff on a found_inf that is not 0 after
   // `hysteresis` overflows, growth after growth_interval clean steps, within [min, max].
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
@@ -20,7 +20,7 @@ TORCH_LIBRARY(fusedamp, m) {
   // One fused AdamW step per list position (math/adamw.h). Empty max_exp_avg_sqs unless
   // amsgrad; empty masters, or one fp32 (full) / int16 (remainder, bf16 params) per param.
   // steps: one fp32 scalar per param, the count before this step; incremented unless skipped.
-  // grads are multiplied by inv_grad_scale * clip_coef; found_inf > 0 skips everything.
+  // grads are multiplied by inv_grad_scale * clip_coef; a found_inf that is not 0 (NaN included) skips everything.
   m.def(
       "adamw_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] masters, "
@@ -35,6 +35,12 @@ TORCH_LIBRARY(fusedamp, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize, "
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
       "bool write_unscaled_grads) -> ()");
+  // The bf16 remainder encoding of fp32 masters (math/master.h, [note: remainder encoding]):
+  // split turns fp32 masters into (bf16 param, int16 remainder), join rebuilds the masters.
+  // Dense tensors in any memory format; the outputs take the input's. CPU only: the optimizers
+  // use them once, when a param's master state is made or converted.
+  m.def("split_bf16_remainder(Tensor master) -> (Tensor param, Tensor remainder)");
+  m.def("join_bf16_remainder(Tensor param, Tensor remainder) -> Tensor");
   // out = act(a @ b + bias) with fp32 accumulation, rounded once to out_dtype (a's dtype or
   // float32). a (..., K) fp16/bf16, leading dims flattened; b (K, N) same dtype, any strides (pass
   // W.t() for x @ W.T); bias (N,) in a's dtype or float32; activation none|relu|gelu|gelu_tanh.

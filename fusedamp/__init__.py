@@ -17,7 +17,11 @@ from fusedamp.grad_scaler import GradScaler
 from fusedamp.optim import FusedAdamW, FusedSGD
 from fusedamp.precision import half_model
 
+# The package version, read by the build from here (pyproject.toml: dynamic = ["version"]).
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "FusedAdamW",
     "FusedSGD",
     "GradScaler",
@@ -45,4 +49,6 @@ def build_info() -> dict[str, Any]:
         "cuda_compiled": bool(_C.cuda_compiled and has_cuda_kernel),
         "cuda_archs": _build_meta.CUDA_ARCHS.split(";") if _build_meta.CUDA_ARCHS else [],
         "cpu_isa": _C.cpu_isa(),
+        # Threads the CPU ops really use: torch.get_num_threads() unless OpenMP was lost.
+        "cpu_threads": _C.parallel_for_threads(),
     }

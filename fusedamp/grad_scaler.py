@@ -145,10 +145,7 @@ class GradScaler:
         found_inf_per_device = {}
         for device, grads in _grads_by_device(optimizer).items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            dense, write_backs = _dense_inputs(grads)
-            ops.unscale_(dense, found_inf, inv_scale.to(device, non_blocking=True))
-            for grad, unscaled in write_backs:
-                grad.copy_(unscaled)
+            ops.unscale_(grads, found_inf, inv_scale.to(device, non_blocking=True))
             found_inf_per_device[device] = found_inf
         _combine_ranks(found_inf_per_device, optimizer)
         state["found_inf_per_device"] = found_inf_per_device
@@ -160,7 +157,7 @@ class GradScaler:
 
         An optimizer with ``_step_supports_amp_scaling`` is always called: it receives
         ``optimizer.grad_scale`` (the scale, or None when the grads are already unscaled) and
-        ``optimizer.found_inf`` (float32, > 0 means skip) and handles both on the device.
+        ``optimizer.found_inf`` (float32, 1 means skip) and handles both on the device.
         Closures are not supported while enabled.
         """
         if not self._enabled:
@@ -191,7 +188,7 @@ class GradScaler:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         result = None
         # The only host sync: a plain optimizer cannot skip its own step.
-        if not bool(_combine(state["found_inf_per_device"].values(), self._scale.device) > 0):
+        if not bool(_combine(state["found_inf_per_device"].values(), self._scale.device)):
             result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
@@ -243,7 +240,7 @@ class GradScaler:
             found_inf = self._last_found_inf
         if found_inf is None:
             raise RuntimeError("step_skipped is known once step() or unscale_() has checked the gradients.")
-        return found_inf > 0
+        return found_inf != 0
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled); syncs with the device."""
@@ -380,7 +377,7 @@ class GradScaler:
         found_inf_per_device = {}
         for device, grads in _grads_by_device(optimizer).items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
-            ops.check_and_norm_(_dense_inputs(grads)[0], found_inf)
+            ops.check_and_norm_(grads, found_inf)
             found_inf_per_device[device] = found_inf
         return found_inf_per_device
 
@@ -398,8 +395,7 @@ def _combine_ranks(
     found_inf_per_device: dict[torch.device, Tensor], optimizer: torch.optim.Optimizer
 ) -> None:
     """With DTensor (FSDP2) grads each rank checked only its shards: sums every found_inf over
-    the ranks of their device meshes, in place, so that all ranks skip the same steps (kept
-    0 or 1, as :func:`_combine` keeps it)."""
+    the ranks of their device meshes, in place, so that all ranks skip the same steps."""
     meshes = _dtensor.meshes_of(
         param.grad for group in optimizer.param_groups for param in group["params"]
         if param.grad is not None
@@ -407,7 +403,6 @@ def _combine_ranks(
     if meshes:
         for found_inf in found_inf_per_device.values():
             _dtensor.all_reduce_sum_(found_inf, meshes)
-            found_inf.clamp_(max=1.0)
 
 
 def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, list[Tensor]]:
@@ -430,37 +425,16 @@ def _grads_by_device(optimizer: torch.optim.Optimizer) -> dict[torch.device, lis
     return grads
 
 
-def _dense_inputs(grads: list[Tensor]) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
-    """What the kernels can take for ``grads`` (they read memory linearly), and the
-    (grad, contiguous copy) pairs whose copy must be written back after an in-place op."""
-    inputs: list[Tensor] = []
-    write_backs: list[tuple[Tensor, Tensor]] = []
-    for grad in grads:
-        if grad.is_contiguous():
-            inputs.append(grad)
-            continue
-        # Permuted but gap-free grads (channels_last params have them) are one block of
-        # memory: their contiguous view aliases it. Elementwise ops do not care about order.
-        by_stride = sorted(range(grad.dim()), key=grad.stride, reverse=True)
-        view = grad.permute(by_stride)
-        if view.is_contiguous():
-            inputs.append(view)
-        else:
-            copy = grad.contiguous()
-            inputs.append(copy)
-            write_backs.append((grad, copy))
-    return inputs, write_backs
-
-
 def _combine(found_infs: Iterable[Tensor], device: torch.device) -> Tensor:
-    """One found_inf on ``device`` from several, without a sync."""
+    """One found_inf on ``device`` from several, without a sync: 1.0 if any is not 0 (a count, a
+    sum over ranks or NaN: [note: found_inf] in csrc/include/fusedamp/math/scale.h), else 0.0.
+    Exactly 0 or 1 because torch's fused optimizers skip on ``== 1`` and subtract found_inf
+    from their step counts."""
     moved = [found_inf.to(device, non_blocking=True) for found_inf in found_infs]
     if not moved:
         return torch.zeros((), dtype=torch.float32, device=device)
-    if len(moved) == 1:
-        return moved[0]
-    # Kept 0 or 1: torch's fused optimizers subtract found_inf from their step counts.
-    return torch.stack(moved).sum().clamp(max=1.0)
+    total = moved[0] if len(moved) == 1 else torch.stack(moved).sum()
+    return (total != 0).float()
 
 
 def _value_of(tracker: Tensor | None, initial: int) -> int:

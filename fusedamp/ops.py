@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from fusedamp import _C  # noqa: F401  (importing the extension registers torch.ops.fusedamp)
+from fusedamp._layout import has_kernel, is_dense, real_view
 
 __all__ = ["unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"]
 
@@ -18,10 +19,18 @@ __all__ = ["unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"]
 def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """``g *= inv_scale`` for every grad; sets ``found_inf`` to 1 if any grad was non-finite.
 
-    Grads may mix float32, float16 and bfloat16. ``found_inf`` and ``inv_scale`` are float32
+    Grads may mix dtypes and memory formats: float32, float16 and bfloat16 (and complex64 as
+    pairs of float32) go through one fused kernel, float64 and complex128 through torch's own
+    ``_amp_foreach_non_finite_check_and_unscale_``; a grad with gaps in memory (a strided view)
+    through a contiguous copy written back. ``found_inf`` and ``inv_scale`` are float32
     one-element tensors on the grads' device; ``found_inf`` is left as it was when all are finite.
     """
-    torch.ops.fusedamp.unscale_(grads, found_inf, inv_scale)
+    fused, other, write_backs = _split_by_kernel(grads, "unscale_")
+    torch.ops.fusedamp.unscale_(fused, found_inf, inv_scale)
+    if other:
+        torch._amp_foreach_non_finite_check_and_unscale_(other, found_inf, inv_scale)
+    for grad, unscaled in write_backs:
+        grad.copy_(unscaled)
 
 
 def check_and_norm_(
@@ -31,8 +40,44 @@ def check_and_norm_(
     inv_scale: Tensor | None = None,
 ) -> None:
     """Read-only pass: sets ``found_inf`` like :func:`unscale_` and, when ``sum_of_squares`` is
-    given, adds ``sum((g * inv_scale) ** 2)`` over every element of every grad to it."""
-    torch.ops.fusedamp.check_and_norm_(grads, found_inf, sum_of_squares, inv_scale)
+    given, adds ``sum((g * inv_scale) ** 2)`` over every element of every grad to it.
+
+    Grads of dtypes without a fused kernel (float64, complex128) are checked with torch ops.
+    """
+    fused, other, _ = _split_by_kernel(grads, "check_and_norm_")
+    torch.ops.fusedamp.check_and_norm_(fused, found_inf, sum_of_squares, inv_scale)
+    for grad in other:
+        found_inf.masked_fill_(~grad.isfinite().all(), 1.0)
+        if sum_of_squares is not None:
+            unscaled = grad if inv_scale is None else grad * inv_scale
+            sum_of_squares.add_(unscaled.square().sum())
+
+
+def _split_by_kernel(
+    grads: list[Tensor], op: str
+) -> tuple[list[Tensor], list[Tensor], list[tuple[Tensor, Tensor]]]:
+    """(what the fused kernels take, the rest, (grad, dense copy) pairs): complex grads as
+    their real views, grads with gaps in memory as contiguous copies."""
+    fused: list[Tensor] = []
+    other: list[Tensor] = []
+    write_backs: list[tuple[Tensor, Tensor]] = []
+    for index, grad in enumerate(grads):
+        if not (grad.is_floating_point() or grad.is_complex()):
+            raise TypeError(
+                f"fusedamp: {op}: grads[{index}] has dtype {grad.dtype}; expected a floating point "
+                "or complex dtype"
+            )
+        if grad.layout != torch.strided:
+            raise TypeError(
+                f"fusedamp: {op}: grads[{index}] has layout {grad.layout}; pass dense (strided) "
+                "tensors (for sparse grads, their ._values())"
+            )
+        dense = grad
+        if not is_dense(grad):
+            dense = grad.contiguous()
+            write_backs.append((grad, dense))
+        (fused if has_kernel(grad.dtype) else other).append(real_view(dense))
+    return fused, other, write_backs
 
 
 def update_scale_(

@@ -183,11 +183,21 @@ BAD_INPUTS = [
         "int grad",
         lambda: ops.unscale_([torch.ones(3, dtype=torch.int32)], scalar(0, "cpu"), scalar(1, "cpu")),
         TypeError,
+        r"unscale_: grads\[0\] has dtype torch.int32; expected a floating point or complex dtype",
+    ),
+    (
+        "int grad, the op itself",
+        lambda: torch.ops.fusedamp.unscale_(
+            [torch.ones(3, dtype=torch.int32)], scalar(0, "cpu"), scalar(1, "cpu")
+        ),
+        TypeError,
         r"unscale_: grads\[0\] has dtype Int; expected float32, float16 or bfloat16",
     ),
     (
-        "float64 grad",
-        lambda: ops.check_and_norm_([torch.ones(3), torch.ones(3, dtype=torch.float64)], scalar(0, "cpu")),
+        "float64 grad, the op itself",
+        lambda: torch.ops.fusedamp.check_and_norm_(
+            [torch.ones(3), torch.ones(3, dtype=torch.float64)], scalar(0, "cpu"), None, None
+        ),
         TypeError,
         r"check_and_norm_: grads\[1\] has dtype Double",
     ),
@@ -204,14 +214,22 @@ BAD_INPUTS = [
         r"unscale_: inv_scale must hold exactly one element, got shape \[2\]",
     ),
     (
-        "non-contiguous grad",
-        lambda: ops.unscale_([torch.ones(4, 4).t()], scalar(0, "cpu"), scalar(1, "cpu")),
+        "overlapping grad, the op itself",
+        lambda: torch.ops.fusedamp.unscale_(
+            [torch.ones(1, 4).expand(4, 4)], scalar(0, "cpu"), scalar(1, "cpu")
+        ),
         RuntimeError,
-        r"unscale_: grads\[0\] is not contiguous",
+        r"unscale_: grads\[0\] has gaps or overlaps in memory \(sizes \[4, 4\], strides \[0, 1\]\)",
     ),
     (
         "sparse grad",
         lambda: ops.check_and_norm_([torch.ones(3).to_sparse()], scalar(0, "cpu")),
+        TypeError,
+        r"check_and_norm_: grads\[0\] has layout torch.sparse_coo; pass dense \(strided\) tensors",
+    ),
+    (
+        "sparse grad, the op itself",
+        lambda: torch.ops.fusedamp.check_and_norm_([torch.ones(3).to_sparse()], scalar(0, "cpu"), None, None),
         NotImplementedError,
         "Could not run 'fusedamp::check_and_norm_' with arguments from the 'SparseCPU' backend",
     ),
@@ -379,3 +397,10 @@ def test_opcheck(device: str) -> None:
         torch.ops.fusedamp.update_scale_.default,
         (scalar(8.0, device), *trackers, scalar(0.0, device), 2.0, 0.5, 2, 2, 1.0, 1e6),
     )
+
+
+@pytest.mark.parametrize("found_inf", [math.nan, -1.0, 3.0])
+def test_update_scale_backs_off_on_any_found_inf_but_zero(found_inf: float) -> None:
+    # [note: found_inf]: a NaN found_inf (a NaN summed into a count) is an overflow, not growth.
+    assert run_update("cpu", (1024.0, 5, 1), found_inf, 2.0, 0.5, 6) == (512.0, 0, 0)
+    assert run_update("cpu", (1024.0, 5, 1), 0.0, 2.0, 0.5, 6) == (2048.0, 0, 1)

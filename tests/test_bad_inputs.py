@@ -44,10 +44,13 @@ def assert_unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> N
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64, torch.int32])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex32])
 def test_unsupported_param_dtypes(cls: type, dtype: torch.dtype) -> None:
     param = torch.zeros(3, dtype=dtype)
-    message = rf"supports float32, float16 and bfloat16 params; param 0 of group 0 is {dtype}"
+    message = (
+        r"supports float32, float16, bfloat16, float64, complex64 and complex128 params; "
+        rf"param 0 of group 0 is {dtype}"
+    )
     with pytest.raises(TypeError, match=message):
         cls([param], lr=0.1)
 
@@ -87,8 +90,9 @@ def test_bad_class_specific_hyperparameters(cls: type, options: dict[str, Any], 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_layout_and_master_mode_errors(cls: type) -> None:
-    with pytest.raises(ValueError, match="needs dense contiguous params; param 0 of group 0 is not"):
-        cls([nn.Parameter(torch.zeros(3, 4).t())], lr=0.1)
+    message = r"needs dense \(strided\) params; param 0 of group 0 has layout torch.sparse_coo"
+    with pytest.raises(TypeError, match=message):
+        cls([nn.Parameter(torch.zeros(3, 4).to_sparse())], lr=0.1)
     with pytest.raises(ValueError, match="master_weights='remainder' needs bfloat16 params"):
         cls([nn.Parameter(torch.zeros(3, dtype=torch.float16))], lr=0.1, master_weights="remainder")
 
@@ -152,19 +156,17 @@ def test_a_sparse_grad_updates_nothing(cls: type) -> None:
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_non_contiguous_and_overlapping_grads_update_nothing(cls: type) -> None:
-    """A transposed grad and an expanded one (its elements overlap in memory) are refused by
-    the op's argument checks, before the kernel writes anything."""
-    for bad_grad in (torch.randn(4, 3).t(), torch.randn(1, 4).expand(3, 4)):
+def test_transposed_and_overlapping_grads_step_like_torch(cls: type) -> None:
+    """A transposed grad and an expanded one (its elements overlap in memory) are what torch's
+    optimizers accept: the step reads them through a copy in the param's order."""
+    reference_cls = getattr(torch.optim, cls.__name__.removeprefix("Fused"))
+    for odd_grad in (torch.randn(4, 3).t(), torch.randn(1, 4).expand(3, 4)):
         weight = nn.Parameter(torch.randn(3, 4))
-        bias = nn.Parameter(torch.randn(3))
-        opt = cls([bias, weight], lr=0.1)
-        bias.grad = torch.randn(3)
-        weight.grad = bad_grad
-        before = snapshot([bias, weight])
-        with pytest.raises(RuntimeError, match=r"grads\[1\] is not contiguous; call .contiguous\(\) on it"):
-            opt.step()
-        assert_unchanged(before, [bias, weight])
+        reference = nn.Parameter(weight.detach().clone())
+        weight.grad, reference.grad = odd_grad, odd_grad.contiguous()
+        cls([weight], lr=0.1).step()
+        reference_cls([reference], lr=0.1).step()
+        torch.testing.assert_close(weight, reference)
 
 
 # --- ops ------------------------------------------------------------------------------------
@@ -207,10 +209,11 @@ ADAMW_CASES: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type, s
      r"grads\[1\] is Int, expected Float"),
     ("size", lambda a: with_last(a, "grads", torch.zeros(5)), RuntimeError,
      r"grads\[1\] has 5 elements but adamw_: params\[1\] has 4"),
-    ("non-contiguous", lambda a: with_last(a, "exp_avgs", torch.zeros(2, 2).t()), RuntimeError,
-     r"exp_avgs\[1\] is not contiguous"),
+    ("other element order", lambda a: with_last(a, "exp_avgs", torch.zeros(2, 2).t()), RuntimeError,
+     r"exp_avgs\[1\] \(sizes \[2, 2\], strides \[1, 2\]\) does not store its elements in the order of "
+     r"adamw_: params\[1\]"),
     ("overlapping", lambda a: with_last(a, "exp_avg_sqs", torch.zeros(1).expand(4)), RuntimeError,
-     r"exp_avg_sqs\[1\] is not contiguous"),
+     r"exp_avg_sqs\[1\] has gaps or overlaps in memory"),
     ("float64 step", lambda a: with_last(a, "steps", torch.zeros((), dtype=torch.float64)), TypeError,
      r"steps\[1\] must be a float32 tensor, got Double"),
     ("nan lr", lambda a: {**a, "lr": float("nan")}, ValueError, "lr is nan; it must be a finite number"),
@@ -242,12 +245,8 @@ def test_adamw_op_refuses_and_writes_nothing(
 @pytest.mark.parametrize(
     ("grads", "found_inf", "inv_scale", "error", "message"),
     [
-        ([torch.ones(3), torch.ones(3, dtype=torch.complex64)], torch.zeros(()), torch.full((), 0.5),
-         TypeError, r"unscale_: grads\[1\] has dtype ComplexFloat"),
         ([torch.ones(3), torch.ones(3, dtype=torch.int64)], torch.zeros(()), torch.full((), 0.5),
-         TypeError, r"unscale_: grads\[1\] has dtype Long"),
-        ([torch.ones(3), torch.ones(3, 2).t()], torch.zeros(()), torch.full((), 0.5),
-         RuntimeError, r"unscale_: grads\[1\] is not contiguous"),
+         TypeError, r"unscale_: grads\[1\] has dtype torch.int64; expected a floating point or complex"),
         ([torch.ones(3)], torch.zeros((), dtype=torch.float16), torch.full((), 0.5),
          TypeError, "found_inf must be a float32 tensor, got Half"),
         ([torch.ones(3)], torch.zeros(()), torch.full((2,), 0.5),

@@ -4,6 +4,7 @@ the grad write-back option and the read-only pass that fusedamp.GradScaler drive
 from __future__ import annotations
 
 import io
+import math
 from typing import Any
 
 import pytest
@@ -139,13 +140,19 @@ def test_inf_or_nan_skips_the_whole_step_bitwise(cls, options, dtype, master_wei
     assert all(opt.state[p]["step"].item() == 3.0 for p in params)
 
 
-def test_found_inf_is_a_count_not_a_flag() -> None:
-    # A found_inf summed over devices or ranks may exceed 1; any value > 0 skips.
-    param = torch.ones(3, requires_grad=True)
-    param.grad = torch.ones(3)
-    opt = FusedAdamW([param])
-    scaled_step(opt, 1.0, found_inf=2.0)
-    assert torch.equal(param.detach(), torch.ones(3))
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("found_inf", [2.0, -1.0, math.nan])
+def test_any_found_inf_but_zero_skips_the_step(cls, dtype, found_inf) -> None:
+    # found_inf may be a count or a sum over devices or ranks (> 1), or NaN itself: anything
+    # but 0 skips, state and step counts included.
+    param = torch.ones(3, dtype=dtype, requires_grad=True)
+    param.grad = torch.ones(3, dtype=dtype)
+    opt = cls([param], lr=0.1)
+    opt.step()
+    before = snapshot(opt, [param])
+    scaled_step(opt, 1.0, found_inf=found_inf)
+    assert snapshot(opt, [param]) == before
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,18 +29,37 @@ void check_scalar_tensor(const at::Tensor& tensor, const char* what, const at::D
               " but the tensors it applies to are on ", device);
 }
 
+// [note: dense layouts] The kernels walk every tensor linearly over its storage. That is right
+// for any layout without gaps or overlaps (contiguous, channels_last, any permutation of the
+// dims), provided the tensors an optimizer combines element by element store their elements in
+// the same order: the same strides on every dim longer than 1.
+static bool is_dense(const at::Tensor& tensor) {
+  return tensor.layout() == at::kStrided &&
+         (tensor.is_contiguous() || tensor.is_non_overlapping_and_dense());
+}
+
+static bool same_element_order(const at::Tensor& a, const at::Tensor& b) {
+  if (a.is_contiguous() && b.is_contiguous()) return true;
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
 static void check_dense_tensor(const at::Tensor& tensor, const std::string& what,
                                const at::Device& device) {
   TORCH_CHECK(tensor.layout() == at::kStrided, "fusedamp: ", what, " has layout ",
               tensor.layout(), "; only dense (strided) tensors are supported");
   TORCH_CHECK(tensor.device() == device, "fusedamp: ", what, " is on ", tensor.device(),
               ", expected ", device, " like the rest of the list");
-  TORCH_CHECK(tensor.is_contiguous(), "fusedamp: ", what,
-              " is not contiguous; call .contiguous() on it (fused kernels read memory linearly)");
+  TORCH_CHECK(is_dense(tensor), "fusedamp: ", what, " has gaps or overlaps in memory (sizes ",
+              tensor.sizes(), ", strides ", tensor.strides(), "); pass a dense tensor, e.g. "
+              "tensor.contiguous() (fused kernels walk memory linearly)");
 }
 
 static bool is_dense_on(const at::Tensor& tensor, const at::Device& device) {
-  return tensor.layout() == at::kStrided && tensor.device() == device && tensor.is_contiguous();
+  return tensor.device() == device && is_dense(tensor);
 }
 
 static bool is_scalar_on(const at::Tensor& tensor, const at::Device& device) {
@@ -72,7 +91,7 @@ void check_hyperparameter(double value, const char* name, const char* op) {
 // Two tensors an op writes (or one it writes and one it reads) must not share memory: the
 // kernels would read values they already changed (a grad that is also its param, the same grad
 // twice in an unscale_ list). Byte ranges of every non-empty tensor, sorted, checked pairwise
-// with their neighbours; contiguity (checked before) makes each tensor one range.
+// with their neighbours; density (checked before) makes each tensor one range.
 struct MemoryRange {
   uintptr_t begin;
   uintptr_t end;
@@ -148,7 +167,8 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
   for (size_t i = 0; i < count; ++i) {
     const at::Tensor& param = params[i];
     auto companion_ok = [&](const at::Tensor& t, at::ScalarType dtype) {
-      return is_dense_on(t, call.device) && t.scalar_type() == dtype && t.numel() == param.numel();
+      return is_dense_on(t, call.device) && t.scalar_type() == dtype &&
+             t.numel() == param.numel() && same_element_order(t, param);
     };
     bool ok = is_dense_on(param, call.device) && param.scalar_type() == param_type &&
               companion_ok(grads[i], grads[0].scalar_type()) && is_scalar_on(steps[i], call.device) &&
@@ -168,6 +188,11 @@ OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::Te
                        ", expected ", dtype);
       TORCH_CHECK(t.numel() == param.numel(), "fusedamp: ", name, " has ", t.numel(),
                   " elements but ", param_name, " has ", param.numel());
+      TORCH_CHECK(same_element_order(t, param), "fusedamp: ", name, " (sizes ", t.sizes(),
+                  ", strides ", t.strides(), ") does not store its elements in the order of ",
+                  param_name, " (sizes ", param.sizes(), ", strides ", param.strides(),
+                  "); make it in the param's memory format, e.g. torch.empty_like(param, "
+                  "dtype=...).copy_(tensor)");
     };
     check_companion(grads[i], prefix + item_name("grads", i), grads[0].scalar_type());
     for (const StateList& state : states) {

@@ -17,7 +17,7 @@ DType float_dtype_of(const at::Tensor& tensor, const std::string& what);
 // A 0-dim (or one-element) fp32 tensor on `device`: scale, found_inf, lr, clip_coef, steps.
 void check_scalar_tensor(const at::Tensor& tensor, const char* what, const at::Device& device);
 
-// Grads of unscale_/check_and_norm_: dense, contiguous, float dtypes, all on found_inf's device.
+// Grads of unscale_/check_and_norm_: dense (any memory format), float dtypes, on found_inf's device.
 void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const char* op);
 
 // What an optimizer call operates on, after validation.

@@ -49,4 +49,8 @@ const KernelTable& kernels();
 // Selects "avx512", "avx2" or "baseline" (errors if the CPU lacks it); returns the old name.
 std::string set_kernels_isa(const std::string& isa);
 
+// How many threads the CPU ops' at::parallel_for really runs on (torch.get_num_threads() when
+// the build has OpenMP; 1 when it silently lost it).
+int64_t parallel_for_threads();
+
 }  // namespace fusedamp::cpu

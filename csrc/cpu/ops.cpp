@@ -1,7 +1,9 @@
 // CPU backend of the fusedamp ops: checks (common/inputs.h), chunking (multi_tensor_plan.h),
 // at::parallel_for over the chunks, and the per-chunk kernels of the ISA chosen at run time.
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -9,8 +11,13 @@
 
 #include "common/inputs.h"
 #include "cpu/kernels.h"
+#include "fusedamp/math/master.h"
 #include "fusedamp/math/scale.h"
 #include "fusedamp/multi_tensor_plan.h"
+
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "fusedamp: torch runs at::parallel_for through OpenMP; build with -fopenmp, or every CPU kernel runs on one thread"
+#endif
 
 namespace fusedamp::cpu {
 namespace {
@@ -153,7 +160,7 @@ StepScalars step_scalars(double lr, const c10::optional<at::Tensor>& lr_tensor,
                          const c10::optional<at::Tensor>& found_inf,
                          const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
   StepScalars s;
-  s.skip = found_inf && read_scalar(*found_inf) > 0.0f;
+  s.skip = found_inf && found_non_finite(read_scalar(*found_inf));
   s.grad_multiplier = (inv_grad_scale ? read_scalar(*inv_grad_scale) : 1.0f) *
                       (clip_coef ? read_scalar(*clip_coef) : 1.0f);
   s.write_grad = step_writes_grad(write_unscaled_grads, inv_grad_scale, clip_coef);
@@ -229,7 +236,54 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentu
   for (const at::Tensor& step : steps) *step.data_ptr<float>() += 1.0f;
 }
 
+// One pass over a dense tensor's storage (any memory format) with the scalar function of
+// math/master.h: this runs once per param when its master state is made, not per step.
+std::tuple<at::Tensor, at::Tensor> split_bf16_remainder_cpu(const at::Tensor& master) {
+  TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, "fusedamp: split_bf16_remainder: master "
+                   "must be float32, got ", master.scalar_type());
+  const at::Tensor source = master.is_non_overlapping_and_dense() ? master : master.contiguous();
+  at::Tensor param = at::empty_like(source, source.options().dtype(at::kBFloat16));
+  at::Tensor remainder = at::empty_like(source, source.options().dtype(at::kShort));
+  const float* in = source.const_data_ptr<float>();
+  auto* high = reinterpret_cast<uint16_t*>(param.data_ptr());
+  int16_t* low = remainder.data_ptr<int16_t>();
+  at::parallel_for(0, source.numel(), kChunkSize, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) split_bf16_remainder(in[i], high[i], low[i]);
+  });
+  return {param, remainder};
+}
+
+at::Tensor join_bf16_remainder_cpu(const at::Tensor& param, const at::Tensor& remainder) {
+  TORCH_CHECK_TYPE(param.scalar_type() == at::kBFloat16 && remainder.scalar_type() == at::kShort,
+                   "fusedamp: join_bf16_remainder: param must be bfloat16 and remainder int16, "
+                   "got ", param.scalar_type(), " and ", remainder.scalar_type());
+  TORCH_CHECK(param.sizes() == remainder.sizes(), "fusedamp: join_bf16_remainder: param has "
+              "shape ", param.sizes(), " but remainder has ", remainder.sizes());
+  const at::Tensor high = param.is_non_overlapping_and_dense() ? param : param.contiguous();
+  const at::Tensor low = remainder.strides() == high.strides()
+                             ? remainder
+                             : at::empty_like(high, remainder.options()).copy_(remainder);
+  at::Tensor master = at::empty_like(high, high.options().dtype(at::kFloat));
+  const auto* in_high = reinterpret_cast<const uint16_t*>(high.const_data_ptr());
+  const int16_t* in_low = low.const_data_ptr<int16_t>();
+  float* out = master.data_ptr<float>();
+  at::parallel_for(0, high.numel(), kChunkSize, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = join_bf16_remainder(in_high[i], in_low[i]);
+  });
+  return master;
+}
+
 }  // namespace
+
+int64_t parallel_for_threads() {
+  std::vector<std::atomic<bool>> used(at::get_num_threads());
+  at::parallel_for(0, int64_t(used.size()) * kChunkSize, kChunkSize, [&](int64_t, int64_t) {
+    used[at::get_thread_num()].store(true);
+  });
+  int64_t count = 0;
+  for (const auto& flag : used) count += flag.load();
+  return count;
+}
 
 const KernelTable& kernels() { return *active_table().load(); }
 
@@ -244,6 +298,8 @@ TORCH_LIBRARY_IMPL(fusedamp, CPU, m) {
   m.impl("update_scale_", &update_scale_cpu);
   m.impl("adamw_", &adamw_cpu);
   m.impl("sgd_", &sgd_cpu);
+  m.impl("split_bf16_remainder", &split_bf16_remainder_cpu);
+  m.impl("join_bf16_remainder", &join_bf16_remainder_cpu);
 }
 
 }  // namespace fusedamp::cpu

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "fusedamp/math/master.h"
+#include "fusedamp/math/scale.h"
 
 namespace fusedamp::cuda {
 
@@ -19,7 +20,7 @@ constexpr int kOptimizerElements = 4;
 // The step's scalar inputs as device pointers, read by every block: nothing here makes the host
 // wait for the device.
 struct StepInputs {
-  const float* found_inf;       // > 0: skip the whole step; null: never skip
+  const float* found_inf;       // not 0: skip the whole step ([note: found_inf]); null: never skip
   const float* inv_grad_scale;  // null: 1
   const float* clip_coef;       // null: 1
   const float* lr;              // null: lr is host_lr
@@ -32,7 +33,7 @@ StepInputs step_inputs(double lr, const c10::optional<at::Tensor>& lr_tensor,
                        const c10::optional<at::Tensor>& clip_coef);
 
 __device__ __forceinline__ bool step_skipped(const float* found_inf) {
-  return found_inf != nullptr && *found_inf > 0.0f;
+  return found_inf != nullptr && found_non_finite(*found_inf);
 }
 
 // inv_grad_scale * clip_coef in float, each 1 when absent, as the CPU backend computes it.
@@ -45,7 +46,7 @@ __device__ __forceinline__ double step_lr(const StepInputs& inputs) {
   return inputs.lr ? double(*inputs.lr) : inputs.host_lr;
 }
 
-// steps[i] += 1 for every param unless found_inf > 0. Launched after the update kernels, which
+// steps[i] += 1 for every param unless found_inf is set. Launched after the update kernels, which
 // therefore read the count before the step (stream order).
 void increment_steps(at::TensorList steps, const c10::optional<at::Tensor>& found_inf);
 

@@ -4,6 +4,12 @@ An optimizer step groups the params that have grads by (param group, device, par
 grad dtype) and makes one fused op call per bucket. Everything the step needs from AMP (the
 inverse loss scale, found_inf, the clip coefficient) stays on the device as 0-dim tensors: the
 step never reads a tensor value on the host.
+
+Params in any dense memory format are stepped in place (state is made in the param's format);
+a param with gaps (a strided slice) is stepped through a contiguous copy written back after the
+step, and a grad stored in another order than its param through a copy in the param's order.
+Complex params are stepped as pairs of reals, as torch.optim does. float64 (and complex128)
+buckets, which the fused kernels do not take, run torch's own ops (:meth:`_step_native`).
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import torch
 from torch import Tensor
 
 from fusedamp import _dtensor, ops
+from fusedamp._layout import has_kernel, is_dense, like, real_view, same_order
 
 __all__ = [
-    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "check_lr", "join_bf16_remainder",
-    "lr_for_device", "split_bf16_remainder",
+    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "advance_steps", "check_lr",
+    "join_bf16_remainder", "lr_for_device", "native_grads", "split_bf16_remainder", "torch_flags",
 ]
 
 MasterWeights = bool | Literal["remainder"]
@@ -32,48 +39,49 @@ MASTER_KEY = "master"
 REMAINDER_KEY = "master_remainder"
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
-_SUPPORTED_DTYPES = (torch.float32, *_HALF_DTYPES)
+_SUPPORTED_DTYPES = (torch.float32, *_HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
 _CLIP_EPS = 1e-6
 
 
 def split_bf16_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
-    """Splits fp32 ``master`` into a bf16 param and an int16 remainder that rebuild it exactly.
+    """Splits fp32 ``master`` into a bf16 param and an int16 remainder that rebuild it exactly
+    (a NaN master gives a NaN param), in ``master``'s memory format and on its device.
 
-    The bit arithmetic of csrc/include/fusedamp/math/master.h ([note: remainder encoding]),
-    done in int64 so that the unsigned 32-bit wrap-around of the C++ code is explicit.
+    The rule is csrc/include/fusedamp/math/master.h's ([note: remainder encoding]), run by the
+    CPU op ``fusedamp::split_bf16_remainder``; tensors on other devices go through the CPU
+    (this runs once per param, when its master state is made).
 
     >>> param, remainder = split_bf16_remainder(torch.tensor([1.0 + 2**-20]))
     >>> join_bf16_remainder(param, remainder)
     tensor([1.0000])
     """
-    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    high = ((bits + 0x8000) & 0xFFFFFFFF) >> 16
-    remainder = (bits - (high << 16)) & 0xFFFF
-    return _as_int16(high).view(torch.bfloat16), _as_int16(remainder)
+    param, remainder = torch.ops.fusedamp.split_bf16_remainder(master.detach().cpu())
+    return param.to(master.device), remainder.to(master.device)
 
 
 def join_bf16_remainder(param: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master that a bf16 ``param`` and its int16 ``remainder`` encode (a new tensor).
+    """The fp32 master that a bf16 ``param`` and its int16 ``remainder`` encode (a new tensor on
+    ``param``'s device, in its memory format).
 
     >>> join_bf16_remainder(torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16))
     tensor([1., 1.])
     """
-    high = param.view(torch.int16).to(torch.int64) & 0xFFFF
-    bits = ((high << 16) + remainder.to(torch.int64)) & 0xFFFFFFFF
-    return ((bits ^ 0x80000000) - 0x80000000).to(torch.int32).view(torch.float32)
-
-
-def _as_int16(unsigned: Tensor) -> Tensor:
-    # Values in [0, 2^16) to the int16 with the same 16 bits.
-    return ((unsigned ^ 0x8000) - 0x8000).to(torch.int16)
+    master = torch.ops.fusedamp.join_bf16_remainder(param.detach().cpu(), remainder.cpu())
+    return master.to(param.device)
 
 
 def _master_key(mode: MasterWeights, dtype: torch.dtype) -> str | None:
-    if dtype == torch.float32 or mode is False:
+    if dtype not in _HALF_DTYPES or mode is False:
         return None
     return REMAINDER_KEY if mode == "remainder" else MASTER_KEY
+
+
+def _state_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a param's moments: float32 for float32/float16/bfloat16 params (the fused
+    kernels' math), the param's own for float64 and complex params, as torch.optim keeps them."""
+    return torch.float32 if param_dtype in (torch.float32, *_HALF_DTYPES) else param_dtype
 
 
 def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
@@ -94,18 +102,27 @@ def lr_for_device(lr: float | Tensor, device: torch.device) -> float | Tensor:
 
 @dataclass
 class Bucket:
-    """The params of one op call: same group, device, param dtype and grad dtype."""
+    """The params of one op call: same group, device, param dtype and grad dtype.
+
+    ``params`` and ``grads`` are what the kernels walk: dense, in the same element order, complex
+    ones as real views. ``write_backs`` pairs each user tensor that could not be handed over
+    as it is with the copy the step updates; ``grad_write_backs`` does so for grads, copied back
+    only when the step writes the grads it used.
+    """
 
     group: dict[str, Any]
     device: torch.device
     master_key: str | None
     state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
+    native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
+    write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    grad_write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def state_list(self, key: str) -> list[Tensor]:
-        return [state[key] for state in self.states]
+        return [real_view(state[key]) for state in self.states]
 
     def masters(self) -> list[Tensor]:
         return [] if self.master_key is None else self.state_list(self.master_key)
@@ -118,6 +135,46 @@ class AmpScalars:
     inv_grad_scale: Tensor | None
     found_inf: Tensor | None
     clip_coef: Tensor | None
+
+    def writes_grads(self, write_unscaled_grads: bool) -> bool:
+        """Whether a step writes the grads it used back (csrc/common/inputs.h step_writes_grad)."""
+        return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
+
+
+def torch_flags(
+    foreach: bool | None, fused: bool | None, capturable: bool, differentiable: bool
+) -> dict[str, Any]:
+    """torch.optim's implementation switches as defaults, accepted with torch's meaning for a
+    drop-in constructor call: the step is always the fused one (on the device, capturable in
+    CUDA graphs), whatever ``foreach``/``fused`` ask for. ``differentiable=True`` is refused
+    by add_param_group."""
+    if fused and foreach:
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    return {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
+
+
+def native_grads(bucket: Bucket, scalars: AmpScalars) -> list[Tensor]:
+    """The grads of a bucket without a fused kernel, unscaled and clipped as torch would do it
+    (multiplied by inv_grad_scale, then by clip_coef); written back into the grads when the step
+    writes grads, as fusedamp's kernels do."""
+    grads = bucket.grads
+    write = scalars.writes_grads(bucket.group["write_unscaled_grads"])
+    for multiplier in (scalars.inv_grad_scale, scalars.clip_coef):
+        if multiplier is None:
+            continue
+        if write:
+            torch._foreach_mul_(grads, multiplier)
+        else:
+            grads = torch._foreach_mul(grads, multiplier)
+    return grads
+
+
+def advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
+    """steps += 1 unless found_inf is set ([note: found_inf]), on the device, without a sync."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        torch._foreach_add_(steps, (found_inf == 0).float())
 
 
 def check_lr(lr: float | Tensor) -> None:
@@ -167,21 +224,25 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 "params), False (update half params directly) or 'remainder' (bf16 params only)"
             )
         name = type(self).__name__
+        if group["differentiable"]:
+            raise RuntimeError(
+                f"{name} does not support differentiable=True: its fused step is not recorded by "
+                f"autograd. Use torch.optim.{name.removeprefix('Fused')}(differentiable=True) to "
+                "differentiate through optimizer steps."
+            )
         for index, param in enumerate(group["params"]):
             where = f"param {index} of group {len(self.param_groups) - 1}"
             if param.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(
-                    f"{name} supports float32, float16 and bfloat16 params; {where} is {param.dtype}"
+                    f"{name} supports float32, float16, bfloat16, float64, complex64 and "
+                    f"complex128 params; {where} is {param.dtype}"
                 )
+            if param.layout != torch.strided:
+                raise TypeError(f"{name} needs dense (strided) params; {where} has layout {param.layout}")
             if mode == "remainder" and param.dtype == torch.float16:
                 raise ValueError(
                     f"master_weights='remainder' needs bfloat16 params; {where} is float16 "
                     "(use master_weights=True for float16 params)"
-                )
-            if param.layout != torch.strided or not param.is_contiguous():
-                raise ValueError(
-                    f"{name} needs dense contiguous params; {where} is not "
-                    "(fused kernels read memory linearly)"
                 )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -192,14 +253,10 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         super().__setstate__(state)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
-        # Groups loaded from a torch.optim state_dict lack fusedamp's own options. torch's
-        # "differentiable" (which Optimizer.__setstate__ adds to the defaults) is not one: the
-        # fused step ignores it, and copying it into the groups would make a resumed
-        # state_dict differ from the uninterrupted one.
+        # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
         for group in self.param_groups:
             for key, value in self.defaults.items():
-                if key != "differentiable":
-                    group.setdefault(key, value)
+                group.setdefault(key, value)
 
     def _check_hyperparameters(self) -> None:
         """Raises ValueError if a group holds a float option (lr, eps, betas, momentum, ...)
@@ -228,23 +285,29 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
         """One fused op call on ``bucket``, its state made by _state_of."""
 
+    @abstractmethod
+    def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        """The step of a bucket the fused kernels do not take (float64), with torch's ops."""
+
     def _new_state(self, key: str, param: Tensor, state: dict[str, Any]) -> Tensor:
-        """A fresh state tensor for ``key``; ``state`` holds the entries made before it."""
+        """A fresh state tensor for ``key`` shaped and laid out like ``param`` (the tensor the
+        kernels step); ``state`` holds the entries made before it."""
         if key == "step":
             return torch.zeros((), dtype=torch.float32, device=param.device)
-        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        return torch.zeros_like(param, dtype=_state_dtype(param.dtype))
 
-    def _state_of(self, param: Tensor, bucket: Bucket, local_param: Tensor) -> dict[str, Any]:
-        """The state of ``param``; a DTensor param's state is shaped like its ``local_param``."""
+    def _state_of(self, param: Tensor, bucket: Bucket, work_param: Tensor) -> dict[str, Any]:
+        """The state of ``param``, made like ``work_param`` (a DTensor's local shard, or the
+        dense copy of a param with gaps) where it is missing."""
         state = self.state[param]
         for key in bucket.state_keys:
             if key not in state:
-                state[key] = self._new_state(key, local_param, state)
+                state[key] = self._new_state(key, work_param, state)
         master_key = bucket.master_key
         if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
             master_key == REMAINDER_KEY
         ):
-            _convert_master(local_param, state, master_key)
+            _convert_master(work_param, state, master_key)
         return state
 
     def master_of(self, param: Tensor) -> Tensor:
@@ -263,7 +326,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this class or of the matching ``torch.optim`` optimizer.
 
-        State is copied (never aliased) onto each param's device: steps, moments and fp32
+        State is copied (never aliased) onto each param's device and into its memory format:
+        steps as float32, moments as float32 (float64 / complex params: their own dtype), fp32
         masters as float32, remainders as int16. Missing entries (masters of a torch.optim
         state_dict) are made from the params at the next step.
         """
@@ -277,15 +341,22 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             if saved is None:
                 continue
             state = self.state[param]
+            local_param = _dtensor.local(param)
             for key, value in saved.items():
-                dtype = torch.int16 if key == REMAINDER_KEY else torch.float32
                 if key == "step":
-                    state[key] = torch.tensor(float(value), dtype=dtype, device=param.device)
+                    state[key] = torch.tensor(float(value), dtype=torch.float32, device=param.device)
                 elif isinstance(value, Tensor):
-                    state[key] = value.detach().to(
-                        device=param.device, dtype=dtype, memory_format=torch.contiguous_format,
-                        copy=True,
-                    )
+                    dtype = torch.int16 if key == REMAINDER_KEY else _state_dtype(param.dtype)
+                    if key == MASTER_KEY:
+                        dtype = torch.float32
+                    value = value.detach()
+                    if value.shape == local_param.shape and is_dense(local_param):
+                        state[key] = like(value, local_param, dtype)
+                    else:  # a param with gaps is stepped through a contiguous copy
+                        state[key] = value.to(
+                            device=param.device, dtype=dtype, memory_format=torch.contiguous_format,
+                            copy=True,
+                        )
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -318,7 +389,12 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     _on(clip_coef, bucket.device),
                 )
                 per_device[bucket.device] = scalars
-            self._step_bucket(bucket, scalars)
+            (self._step_native if bucket.native else self._step_bucket)(bucket, scalars)
+            for original, work in bucket.write_backs:
+                original.copy_(work)
+            if scalars.writes_grads(bucket.group["write_unscaled_grads"]):
+                for original, work in bucket.grad_write_backs:
+                    original.copy_(work)
         return loss
 
     def _grads(self) -> Iterable[tuple[dict[str, Any], Tensor, Tensor]]:
@@ -340,12 +416,22 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             if bucket is None:
                 master_key = _master_key(group["master_weights"], param.dtype)
                 state_keys = ("step", *self._moment_keys(group))
-                bucket = buckets[key] = Bucket(group, param.device, master_key, state_keys)
+                bucket = buckets[key] = Bucket(
+                    group, param.device, master_key, state_keys, native=not has_kernel(param.dtype)
+                )
             # DTensor (FSDP2) params are updated through their local shards.
-            local_param = _dtensor.local(param)
-            bucket.params.append(local_param)
-            bucket.grads.append(_dtensor.local(grad))
-            bucket.states.append(self._state_of(param, bucket, local_param))
+            work_param = _dtensor.local(param)
+            if not is_dense(work_param):
+                work_param = work_param.detach().contiguous()
+                bucket.write_backs.append((_dtensor.local(param), work_param))
+            work_grad = _dtensor.local(grad)
+            if not (is_dense(work_grad) and same_order(work_grad, work_param)):
+                copy = like(work_grad, work_param)
+                bucket.grad_write_backs.append((work_grad, copy))
+                work_grad = copy
+            bucket.params.append(real_view(work_param))
+            bucket.grads.append(real_view(work_grad))
+            bucket.states.append(self._state_of(param, bucket, work_param))
         return list(buckets.values())
 
     # --- AMP: the read-only pass and clipping -------------------------------------------------

@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fusedamp import ops
-from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, check_lr, lr_for_device
+from fusedamp.optim._common import (
+    AmpScalars,
+    Bucket,
+    FusedOptimizer,
+    MasterWeights,
+    check_lr,
+    lr_for_device,
+    native_grads,
+    torch_flags,
+)
 
 __all__ = ["FusedAdamW"]
 
@@ -35,6 +45,11 @@ class FusedAdamW(FusedOptimizer):
     ``fusedamp.GradScaler``, ``scaler.step(opt)`` unscales, checks for inf/NaN and (optionally)
     clips inside the fused step without a host sync.
 
+    torch's ``foreach``, ``fused`` and ``capturable`` are accepted (the step is always fused and
+    keeps its step counts on the device); ``differentiable=True`` is an error. Params may be in
+    any memory format (state follows it), float64 or complex: complex params are stepped as
+    pairs of reals, float64 ones by torch's fused AdamW kernel.
+
     >>> opt = fusedamp.FusedAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
     >>> loss_fn(model(x)).backward()
     >>> opt.step()
@@ -51,6 +66,10 @@ class FusedAdamW(FusedOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         master_weights: MasterWeights = True,
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
@@ -73,6 +92,7 @@ class FusedAdamW(FusedOptimizer):
             "maximize": maximize,
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
+            **torch_flags(foreach, fused, capturable, differentiable),
         }
         super().__init__(params, defaults, max_grad_norm)
 
@@ -104,3 +124,30 @@ class FusedAdamW(FusedOptimizer):
             clip_coef=scalars.clip_coef,
             write_unscaled_grads=group["write_unscaled_grads"],
         )
+
+    def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        # torch's fused AdamW reads the step count after the increment and skips on found_inf == 1.
+        group = bucket.group
+        beta1, beta2 = group["betas"]
+        steps = bucket.state_list("step")
+        found_inf = None if scalars.found_inf is None else (scalars.found_inf != 0).float()
+        grads = native_grads(bucket, scalars)
+        torch._foreach_add_(steps, 1.0)
+        torch._fused_adamw_(
+            bucket.params,
+            grads,
+            bucket.state_list("exp_avg"),
+            bucket.state_list("exp_avg_sq"),
+            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+            steps,
+            lr=lr_for_device(group["lr"], bucket.device),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+            found_inf=found_inf,
+        )
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))

@@ -9,7 +9,17 @@ import torch
 from torch import Tensor
 
 from fusedamp import ops
-from fusedamp.optim._common import AmpScalars, Bucket, FusedOptimizer, MasterWeights, check_lr, lr_for_device
+from fusedamp.optim._common import (
+    AmpScalars,
+    Bucket,
+    FusedOptimizer,
+    MasterWeights,
+    advance_steps,
+    check_lr,
+    lr_for_device,
+    native_grads,
+    torch_flags,
+)
 
 __all__ = ["FusedSGD"]
 
@@ -23,6 +33,10 @@ class FusedSGD(FusedOptimizer):
     tensor on its device): the first step of a param (count 0) starts its momentum buffer as
     the grad itself, as torch does.
 
+    torch's ``foreach`` and ``fused`` are accepted (the step is always fused);
+    ``differentiable=True`` is an error. Params may be in any memory format, float64 (stepped
+    with torch's ops, in torch's order) or complex (stepped as pairs of reals).
+
     >>> opt = fusedamp.FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     >>> loss_fn(model(x)).backward()
     >>> opt.step()
@@ -34,10 +48,13 @@ class FusedSGD(FusedOptimizer):
         lr: float | Tensor = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
-        weight_decay: float = 0.0,
+        weight_decay: float | Tensor = 0.0,
         nesterov: bool = False,
         *,
         maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
         master_weights: MasterWeights = True,
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
@@ -49,6 +66,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if isinstance(weight_decay, Tensor):  # the fused op takes a float
+            weight_decay = float(weight_decay)
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -58,6 +77,7 @@ class FusedSGD(FusedOptimizer):
             "maximize": maximize,
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
+            **torch_flags(foreach, fused, False, differentiable),
         }
         super().__init__(params, defaults, max_grad_norm)
 
@@ -89,3 +109,29 @@ class FusedSGD(FusedOptimizer):
             clip_coef=scalars.clip_coef,
             write_unscaled_grads=group["write_unscaled_grads"],
         )
+
+    def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
+        # torch.optim.SGD's single-tensor ops in its order (so float64 results are torch's),
+        # with the first step and found_inf selected on the device instead of on the host.
+        group = bucket.group
+        momentum, dampening = group["momentum"], group["dampening"]
+        weight_decay, lr = group["weight_decay"], lr_for_device(group["lr"], bucket.device)
+        steps = bucket.state_list("step")
+        buffers = bucket.state_list("momentum_buffer") if momentum != 0 else [None] * len(steps)
+        skip = None if scalars.found_inf is None else scalars.found_inf != 0
+        grads = native_grads(bucket, scalars)
+        for param, grad, buffer, step in zip(bucket.params, grads, buffers, steps, strict=True):
+            direction = -grad if group["maximize"] else grad
+            if weight_decay != 0:
+                direction = direction.add(param, alpha=weight_decay)
+            if buffer is not None:
+                blended = buffer.mul(momentum).add_(direction, alpha=1 - dampening)
+                new_buffer = torch.where(step == 0, direction, blended)
+                buffer.copy_(new_buffer if skip is None else torch.where(skip, buffer, new_buffer))
+                direction = direction.add(new_buffer, alpha=momentum) if group["nesterov"] else new_buffer
+            if isinstance(lr, Tensor):
+                updated = param - lr.to(param.device) * direction
+            else:
+                updated = param.add(direction, alpha=-lr)
+            param.copy_(updated if skip is None else torch.where(skip, param, updated))
+        advance_steps(steps, scalars.found_inf)

@@ -1,6 +1,8 @@
 // Turns runtime element types and flags into compile-time template arguments (host code only).
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <type_traits>
 
 #include "fusedamp/math/master.h"
@@ -10,31 +12,42 @@ FUSEDAMP_NAMESPACE_BEGIN
 template <DType T> using DTypeTag = std::integral_constant<DType, T>;
 template <MasterKind M> using MasterTag = std::integral_constant<MasterKind, M>;
 
-// Calls fn(DTypeTag<d>{}) for the float element types; other types never reach a kernel
-// (csrc/common/inputs.cpp rejects them), so they are ignored here.
+// Calls fn(DTypeTag<d>{}) for the float element types. csrc/common/inputs.cpp rejects every
+// other type first, so reaching the error is a bug in fusedamp; it must never mean a silently
+// skipped kernel.
 template <typename Fn>
 inline void with_float_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kFloat32: fn(DTypeTag<DType::kFloat32>{}); break;
-    case DType::kFloat16: fn(DTypeTag<DType::kFloat16>{}); break;
-    case DType::kBFloat16: fn(DTypeTag<DType::kBFloat16>{}); break;
+    case DType::kFloat32: fn(DTypeTag<DType::kFloat32>{}); return;
+    case DType::kFloat16: fn(DTypeTag<DType::kFloat16>{}); return;
+    case DType::kBFloat16: fn(DTypeTag<DType::kBFloat16>{}); return;
     default: break;
   }
+  TORCH_CHECK(false, "fusedamp internal error: no kernel for element type ", int32_t(dtype));
 }
 
-// Calls fn(MasterTag<kind>{}) only for the combinations that exist: fp32 params have no
-// master, fp16 params a full fp32 one, bf16 params either kind.
+// Calls fn(MasterTag<kind>{}) for the combinations that exist: fp32 params have no master,
+// fp16 params a full fp32 one, bf16 params either kind. Any other combination is an error.
 template <DType P, typename Fn>
 inline void with_master_kind(MasterKind kind, Fn&& fn) {
   if (kind == MasterKind::kNone) {
     fn(MasterTag<MasterKind::kNone>{});
-  } else if constexpr (P != DType::kFloat32) {
+    return;
+  }
+  if constexpr (P != DType::kFloat32) {
     if (kind == MasterKind::kFloat32) {
       fn(MasterTag<MasterKind::kFloat32>{});
-    } else if constexpr (P == DType::kBFloat16) {
-      if (kind == MasterKind::kRemainder) fn(MasterTag<MasterKind::kRemainder>{});
+      return;
     }
   }
+  if constexpr (P == DType::kBFloat16) {
+    if (kind == MasterKind::kRemainder) {
+      fn(MasterTag<MasterKind::kRemainder>{});
+      return;
+    }
+  }
+  TORCH_CHECK(false, "fusedamp internal error: no kernel for master kind ", int32_t(kind),
+              " with param element type ", int32_t(P));
 }
 
 template <typename Fn>

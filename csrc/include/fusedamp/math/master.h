@@ -30,10 +30,13 @@ FUSEDAMP_HOST_DEVICE float join_bf16_remainder(uint16_t high, int16_t remainder)
   return float_from_bits((uint32_t(high) << 16) + uint32_t(int32_t(remainder)));
 }
 
+// A NaN master has no exact split (bits + 0x8000 would wrap a NaN into a signed zero): it becomes
+// the quiet bf16 NaN that float_to_bf16 gives, with a zero remainder, so it stays a NaN.
 FUSEDAMP_HOST_DEVICE void split_bf16_remainder(float master, uint16_t& high, int16_t& remainder) {
   const uint32_t bits = float_bits(master);
-  high = uint16_t((bits + 0x8000u) >> 16);
-  remainder = int16_t(int32_t(bits - (uint32_t(high) << 16)));
+  const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+  high = uint16_t(select_bits(nan, (bits >> 16) | 0x40u, (bits + 0x8000u) >> 16));
+  remainder = int16_t(int32_t(select_bits(nan, 0u, bits - (uint32_t(high) << 16))));
 }
 
 template <DType P, MasterKind M>

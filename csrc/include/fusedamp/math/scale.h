@@ -18,14 +18,17 @@ struct LossScaleConfig {
 
 FUSEDAMP_NAMESPACE_BEGIN
 
-// found_inf is "any non-finite" as > 0: it may be a sum over devices or ranks.
+// [note: found_inf] found_inf means "some gradient was inf/NaN" whenever it is not exactly 0: it
+// may be a count, a sum over devices or ranks, or itself NaN. Every reader asks this function.
+FUSEDAMP_HOST_DEVICE bool found_non_finite(float found_inf) { return found_inf != 0.0f; }
+
 // Hysteresis (Megatron's rule): each overflow spends one unit of hysteresis_left and the scale
 // backs off once it is spent; a growth step refills it. With hysteresis == 1, min_scale == 0
 // and max_scale == inf this is exactly torch._amp_update_scale_.
 FUSEDAMP_HOST_DEVICE void update_loss_scale(float& scale, int32_t& growth_tracker,
                                             int32_t& hysteresis_left, float found_inf,
                                             const LossScaleConfig& config) {
-  if (found_inf > 0.0f) {
+  if (found_non_finite(found_inf)) {
     growth_tracker = 0;
     hysteresis_left = hysteresis_left > 1 ? hysteresis_left - 1 : 0;
     if (hysteresis_left == 0) {
