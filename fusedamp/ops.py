@@ -173,6 +173,16 @@ for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"):
     torch.library.register_fake(f"fusedamp::{_name}")(lambda *args, **kwargs: None)
 
 
+@torch.library.register_fake("fusedamp::split_bf16_remainder")
+def _split_bf16_remainder_fake(master: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(master, dtype=torch.bfloat16), torch.empty_like(master, dtype=torch.int16)
+
+
+@torch.library.register_fake("fusedamp::join_bf16_remainder")
+def _join_bf16_remainder_fake(param: Tensor, remainder: Tensor) -> Tensor:
+    return torch.empty_like(param, dtype=torch.float32)
+
+
 # --- GEMM ------------------------------------------------------------------------------------
 
 GEMM_ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")

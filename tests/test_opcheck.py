@@ -49,3 +49,15 @@ def test_sgd_opcheck(device: str, dtype: torch.dtype, master_dtype: torch.dtype 
     args = (params, grads, buffers, masters, steps, 0.0, lr, 0.9, 0.1, 1e-4, True, False, None,
             None, None, True)
     torch.library.opcheck(torch.ops.fusedamp.sgd_.default, args)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_bf16_remainder_ops_opcheck(layout: str) -> None:
+    master = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(2))
+    if layout == "channels_last":
+        master = master.to(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.fusedamp.split_bf16_remainder.default, (master,))
+    param, remainder = torch.ops.fusedamp.split_bf16_remainder(master)
+    assert param.stride() == remainder.stride() == master.stride()
+    torch.library.opcheck(torch.ops.fusedamp.join_bf16_remainder.default, (param, remainder))
+    assert torch.equal(torch.ops.fusedamp.join_bf16_remainder(param, remainder), master)
