@@ -233,8 +233,12 @@ def plot_rows(rows: list[dict[str, Any]], path: str, title: str) -> bool:
 
 
 def machine_tag() -> str:
-    """A file-name-safe name of what ran the benchmarks: the GPU when there is one, else the CPU."""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-{platform.machine()}"
+    """A file-name-safe name of what ran the benchmarks: the GPU when there is one, else the CPU
+    and the vector ISA torch uses on it (an AVX2 and an AVX-512 machine give different files)."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 

@@ -2,6 +2,8 @@
 _amp_foreach_non_finite_check_and_unscale_, as a fraction of the copy bandwidth.
 
 Run from the repository root: python -m benchmarks.bench_unscale [--device cpu] [--json PATH]
+
+On CPU every op is timed at each thread count of ``--threads`` (default: 1 and all).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from benchmarks.common import (
     format_table,
     gigabytes_per_second,
     stable_medians,
+    thread_counts,
     time_round_robin,
     write_json,
 )
@@ -30,6 +33,8 @@ DEFAULT_ELEMENTS = {"cpu": 16 << 20, "cuda": 256 << 20}
 TORCH = "torch unscale"
 # Passes over the grad bytes each op makes: unscale reads and writes, the checks only read.
 PASSES = {"fusedamp unscale_": 2, TORCH: 2, "fusedamp check (read-only)": 1, "fusedamp check + norm": 1}
+# Issue 10's targets, as speedups over torch's unscale at the most threads.
+TARGETS = {"fusedamp unscale_": 1.2, "fusedamp check (read-only)": 1.5}
 
 
 def grad_sizes(total: int, count: int, seed: int = 0) -> list[int]:
@@ -70,35 +75,61 @@ def peers_for(dtype: torch.dtype, sizes: list[int], device: str) -> dict[str, Ca
     return peers
 
 
+def measure(dtype_name: str, sizes: list[int], device: str, rounds: int, threads: int) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    grad_bytes = sum(sizes) * dtype.itemsize
+    peers = peers_for(dtype, sizes, device)
+    peers["copy"], copy_bytes = copy_peer(grad_bytes, device)
+    medians, kept = stable_medians(time_round_robin(peers, device, rounds))
+    copy_rate = gigabytes_per_second(copy_bytes, medians["copy"])
+    case = dtype_name if torch.device(device).type != "cpu" else f"{dtype_name}, {threads} threads"
+    rows = []
+    for name, passes in PASSES.items():
+        row = {"dtype": case, "op": name, "threads": threads, "samples kept": f"{kept}/{rounds}"}
+        if name in medians:
+            rate = gigabytes_per_second(passes * grad_bytes, medians[name])
+            row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate})
+            if TORCH in medians:
+                row["vs torch unscale"] = medians[TORCH] / medians[name]
+        else:
+            row["op"] += " (not supported by this torch)"
+        rows.append(row)
+    rows.append({"dtype": case, "op": "copy", "threads": threads, "ms": medians["copy"] * 1e3,
+                 "GB/s": copy_rate, "% of copy": 100.0, "samples kept": f"{kept}/{rounds}"})
+    return rows
+
+
+def target_checks(rows: list[dict]) -> list[str]:
+    most = max(row["threads"] for row in rows)
+    lines = []
+    for row in rows:
+        target = TARGETS.get(row["op"])
+        if row["threads"] == most and target and "vs torch unscale" in row:
+            speedup = row["vs torch unscale"]
+            verdict = "met" if speedup >= target else "MISSED"
+            lines.append(f"target {row['op']} {row['dtype']}: {speedup:.2f}x torch unscale "
+                         f"(>= {target}x): {verdict}")
+    return lines
+
+
 def main() -> None:
     args = benchmark_args(__doc__.splitlines()[0])
     device = args.device
     sizes = grad_sizes(DEFAULT_ELEMENTS[torch.device(device).type], TENSORS)
     rows = []
-    for dtype_name, dtype in DTYPES.items():
-        grad_bytes = sum(sizes) * dtype.itemsize
-        peers = peers_for(dtype, sizes, device)
-        peers["copy"], copy_bytes = copy_peer(grad_bytes, device)
-        medians, kept = stable_medians(time_round_robin(peers, device, args.rounds))
-        copy_rate = gigabytes_per_second(copy_bytes, medians["copy"])
-        for name, passes in PASSES.items():
-            row = {"dtype": dtype_name, "op": name, "samples kept": f"{kept}/{args.rounds}"}
-            if name in medians:
-                rate = gigabytes_per_second(passes * grad_bytes, medians[name])
-                row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate})
-                if TORCH in medians:
-                    row["vs torch unscale"] = medians[TORCH] / medians[name]
-            else:
-                row["op"] += " (not supported by this torch)"
-            rows.append(row)
-        rows.append({"dtype": dtype_name, "op": "copy", "ms": medians["copy"] * 1e3, "GB/s": copy_rate,
-                     "% of copy": 100.0, "samples kept": f"{kept}/{args.rounds}"})
-    print(f"{sum(sizes) / 2**20:.0f}M elements in {len(sizes)} tensors on {device}, "
-          f"{torch.get_num_threads()} threads. 'vs torch unscale': torch's time / this time; "
+    for threads in thread_counts(args.threads, device):
+        torch.set_num_threads(threads)
+        for dtype_name in DTYPES:
+            rows += measure(dtype_name, sizes, device, args.rounds, threads)
+    print(f"{sum(sizes) / 2**20:.0f}M elements in {len(sizes)} tensors on {device}. "
+          "'vs torch unscale': torch's time / this time; "
           "'samples kept': the fewest undisturbed samples of any peer of that dtype")
     print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "vs torch unscale", "samples kept"]))
+    checks = target_checks(rows)
+    for line in checks:
+        print(line)
     write_json(args.json, {"benchmark": "unscale", "elements": sum(sizes), "tensors": len(sizes),
-                           "environment": environment(device), "rows": rows})
+                           "environment": environment(device), "rows": rows, "targets": checks})
 
 
 if __name__ == "__main__":

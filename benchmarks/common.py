@@ -17,12 +17,24 @@ import fusedamp
 
 
 def benchmark_args(description: str) -> argparse.Namespace:
-    """The options every benchmark takes: --device, --rounds, --json PATH."""
+    """The options every benchmark takes: --device, --rounds, --threads, --json PATH."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=25, help="timed rounds per peer")
+    parser.add_argument("--threads", default="", help="CPU thread counts to measure, e.g. 1,2 "
+                        "(default: 1 and torch's default)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args()
+
+
+def thread_counts(requested: str, device: str) -> list[int]:
+    """The torch thread counts a CPU benchmark runs at (one pass at the default on a GPU)."""
+    default = torch.get_num_threads()
+    if torch.device(device).type != "cpu":
+        return [default]
+    if requested:
+        return [int(count) for count in requested.split(",")]
+    return sorted({1, default})
 
 
 def synchronize(device: str) -> None:
@@ -77,12 +89,29 @@ def environment(device: str) -> dict[str, Any]:
         "device": device,
         "torch": torch.__version__,
         "fusedamp": fusedamp.build_info(),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
     }
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its vector ISA level (avx512 / avx2 / none), as /proc/cpuinfo says."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            text = cpuinfo.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                      if line.startswith("flags")), []))
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    extras = [flag for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16") if flag in flags]
+    return f"{name} ({isa}{', ' + ', '.join(extras) if extras else ''})"
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -115,6 +115,7 @@ class Bucket:
     master_key: str | None
     state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
     native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
+    complex: bool  # complex params: the kernels get the real views of params, grads and moments
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
@@ -122,7 +123,9 @@ class Bucket:
     grad_write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def state_list(self, key: str) -> list[Tensor]:
-        return [real_view(state[key]) for state in self.states]
+        if self.complex:
+            return [real_view(state[key]) for state in self.states]
+        return [state[key] for state in self.states]
 
     def masters(self) -> list[Tensor]:
         return [] if self.master_key is None else self.state_list(self.master_key)
@@ -417,20 +420,21 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 master_key = _master_key(group["master_weights"], param.dtype)
                 state_keys = ("step", *self._moment_keys(group))
                 bucket = buckets[key] = Bucket(
-                    group, param.device, master_key, state_keys, native=not has_kernel(param.dtype)
+                    group, param.device, master_key, state_keys, native=not has_kernel(param.dtype),
+                    complex=param.is_complex(),
                 )
             # DTensor (FSDP2) params are updated through their local shards.
             work_param = _dtensor.local(param)
-            if not is_dense(work_param):
-                work_param = work_param.detach().contiguous()
-                bucket.write_backs.append((_dtensor.local(param), work_param))
             work_grad = _dtensor.local(grad)
-            if not (is_dense(work_grad) and same_order(work_grad, work_param)):
-                copy = like(work_grad, work_param)
-                bucket.grad_write_backs.append((work_grad, copy))
-                work_grad = copy
-            bucket.params.append(real_view(work_param))
-            bucket.grads.append(real_view(work_grad))
+            # The common case, both contiguous, needs no further look at the layouts.
+            if not (work_param.is_contiguous() and work_grad.is_contiguous()):
+                work_param, work_grad = _kernel_layouts(bucket, work_param, work_grad)
+            if bucket.complex:
+                bucket.params.append(real_view(work_param))
+                bucket.grads.append(real_view(work_grad))
+            else:
+                bucket.params.append(work_param)
+                bucket.grads.append(work_grad)
             bucket.states.append(self._state_of(param, bucket, work_param))
         return list(buckets.values())
 
@@ -491,6 +495,22 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             total += _on(sums[device], devices[0])
         self.last_grad_norm = total.sqrt_()
         return (self.max_grad_norm / (self.last_grad_norm + _CLIP_EPS)).clamp_(max=1.0)
+
+
+def _kernel_layouts(bucket: Bucket, param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The param and grad the kernels walk side by side: the param itself when it is dense
+    (else a contiguous copy, written back after the step), the grad itself when it is dense in
+    the param's element order (else a copy in that order, written back when the step writes
+    grads). Records the write-backs in ``bucket``."""
+    if not is_dense(param):
+        work_param = param.detach().contiguous()
+        bucket.write_backs.append((param, work_param))
+        param = work_param
+    if not (is_dense(grad) and same_order(grad, param)):
+        work_grad = like(grad, param)
+        bucket.grad_write_backs.append((grad, work_grad))
+        grad = work_grad
+    return param, grad
 
 
 def _convert_master(param: Tensor, state: dict[str, Any], master_key: str | None) -> None:
