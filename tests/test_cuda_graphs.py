@@ -1,6 +1,7 @@
 """CUDA graphs: a whole AMP training step (forward under fusedamp.autocast, backward,
 GradScaler.step with FusedAdamW/FusedSGD, update) captured once with torch.cuda.graph and
-replayed matches the same steps run eagerly.
+replayed matches the same steps run eagerly; a CPU lr tensor, which a graph would freeze, is
+refused under capture.
 
 The step is capturable because nothing in it reads a device value on the host: the loss scale,
 found_inf, the clip coefficient, the step counts and a tensor lr all stay on the device.
@@ -114,3 +115,52 @@ def test_graphed_training_step_matches_eager(optimizer: str) -> None:
     initial, _, _, _ = make(optimizer)
     for graphed, start in zip(graph_params, initial.parameters(), strict=True):
         assert not torch.equal(graphed, start)  # the replays did train
+
+
+def capture(call) -> torch.cuda.CUDAGraph:
+    """A graph of `call` captured after one eager warm-up run on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+CPU_LR_UNDER_CAPTURE = r"lr is a CPU tensor.*captured into a CUDA graph.*Put lr on the device"
+
+
+def test_ops_refuse_a_cpu_lr_tensor_under_capture() -> None:
+    """A CPU lr tensor is read when the step is issued: a graph would replay the captured value
+    forever. Eagerly it is fine; under capture it is an error."""
+    p, g, m, v, b = (torch.full((1000,), 0.5, device="cuda") for _ in range(5))
+    step = torch.zeros((), device="cuda")
+    lr = torch.tensor(1e-2)
+    calls = {
+        "adamw_": lambda: fusedamp.ops.adamw_(
+            [p], [g], [m], [v], [], [], [step], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0,
+        ),
+        "sgd_": lambda: fusedamp.ops.sgd_([p], [g], [b], [], [step], lr=lr, momentum=0.9),
+    }
+    for call in calls.values():
+        call()
+        with pytest.raises(RuntimeError, match=CPU_LR_UNDER_CAPTURE):
+            capture(call)
+    # With lr on the device (the calls read `lr` when they run) the same steps capture.
+    lr = lr.cuda()
+    for call in calls.values():
+        capture(call)
+
+
+@pytest.mark.parametrize("optimizer", [fusedamp.FusedAdamW, fusedamp.FusedSGD])
+def test_fused_optimizers_refuse_a_cpu_lr_tensor_under_capture(optimizer: type) -> None:
+    param = nn.Parameter(torch.randn(64, device="cuda"))
+    param.grad = torch.randn(64, device="cuda")
+    opt = optimizer([param], lr=torch.tensor(1e-2))
+    with pytest.raises(RuntimeError, match=CPU_LR_UNDER_CAPTURE):
+        capture(opt.step)
+
