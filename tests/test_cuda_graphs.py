@@ -1,7 +1,7 @@
 """CUDA graphs: a whole AMP training step (forward under fusedamp.autocast, backward,
 GradScaler.step with FusedAdamW/FusedSGD, update) captured once with torch.cuda.graph and
-replayed matches the same steps run eagerly; a CPU lr tensor, which a graph would freeze, is
-refused under capture.
+replayed matches the same steps run eagerly; grad_stats replays on new values; a CPU lr tensor,
+which a graph would freeze, is refused under capture.
 
 The step is capturable because nothing in it reads a device value on the host: the loss scale,
 found_inf, the clip coefficient, the step counts and a tensor lr all stay on the device.
@@ -164,3 +164,28 @@ def test_fused_optimizers_refuse_a_cpu_lr_tensor_under_capture(optimizer: type) 
     with pytest.raises(RuntimeError, match=CPU_LR_UNDER_CAPTURE):
         capture(opt.step)
 
+
+def test_grad_stats_is_captured_and_replays_on_new_values() -> None:
+    """grad_stats passes its metadata as kernel parameters: a replay reads the grads it was
+    captured with, whatever pinned host memory was allocated and overwritten in between."""
+    shapes = [(70000, torch.float16), (5, torch.float32), (0, torch.bfloat16), (300, torch.bfloat16)]
+    grads = [torch.zeros(n, device="cuda", dtype=dtype) for n, dtype in shapes]
+    inv_scale = torch.ones((), device="cuda")
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    graph = capture(lambda: outputs.append(torch.ops.fusedamp.grad_stats(grads, inv_scale)))
+    counts, max_abs = outputs[-1]
+    # Freed pinned blocks are handed out again: take them and fill them with junk before replays.
+    pinned = [torch.empty(1 << e, dtype=torch.uint8).pin_memory() for e in range(4, 17)]
+    for seed in range(3):
+        for block in pinned:
+            block.fill_(255)
+        generator = torch.Generator().manual_seed(seed)
+        values = [(torch.randn(n, generator=generator) * 10.0**-(seed + 3)).to(dtype) for n, dtype in shapes]
+        values[0][7 * seed] = float("inf")
+        for grad, value in zip(grads, values, strict=True):
+            grad.copy_(value)
+        inv_scale.fill_(2.0**-seed)
+        graph.replay()
+        expected_counts, expected_max_abs = torch.ops.fusedamp.grad_stats(values, torch.tensor(2.0**-seed))
+        assert torch.equal(counts.cpu(), expected_counts)
+        assert torch.equal(max_abs.cpu(), expected_max_abs)

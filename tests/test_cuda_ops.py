@@ -240,6 +240,29 @@ def test_update_scale_matches_cpu_step_by_step() -> None:
             assert torch.equal(cuda_value.cpu(), cpu_value)
 
 
+# --- grad_stats ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inv_scale", [None, 2.0**-12])
+def test_grad_stats_matches_cpu_over_many_launches(inv_scale: float | None) -> None:
+    """Mixed dtypes, empty tensors, misaligned views and more tensors than one launch's
+    parameters hold: counts and max_abs equal the CPU backend's."""
+    generator = torch.Generator().manual_seed(15)
+    sizes = torch.randint(0, 300, (400,), generator=generator).tolist() + [65537, 0, 131072]
+    dtypes = [FLOAT_DTYPES[i % 3] for i in range(len(sizes))]
+    grads = [g * 10.0 ** -(i % 9) for i, g in enumerate(grads_of(dtypes, sizes, seed=16, offset=1))]
+    grads[400][65536] = math.inf
+    grads[402][0] = math.nan
+    cpu_scale = None if inv_scale is None else torch.tensor(inv_scale)
+    expected_counts, expected_max_abs = torch.ops.fusedamp.grad_stats(grads, cpu_scale)
+    counts, max_abs = torch.ops.fusedamp.grad_stats(
+        to_device(grads, CUDA, offset=1), None if cpu_scale is None else cpu_scale.cuda()
+    )
+    assert torch.equal(counts.cpu(), expected_counts)
+    assert torch.equal(max_abs.cpu(), expected_max_abs)
+    assert expected_counts[:, 1].sum() > 0 and expected_counts[:, 2].sum() == 2
+
+
 # --- optimizers ---------------------------------------------------------------------------
 
 # (param dtype, grad dtype, masters): every master kind, and grads of another dtype than params.
