@@ -3,11 +3,13 @@
     pip install --no-build-isolation .      # torch must be installed first
 
 Environment: FUSEDAMP_CUDA=0|1 forces the CUDA kernels off/on; TORCH_CUDA_ARCH_LIST picks the
-GPU architectures (default 8.0;9.0a when no GPU is visible); FUSEDAMP_PTXAS_VERBOSE=1 prints
-ptxas register/spill reports; MAX_JOBS bounds the parallel compile jobs.
+GPU architectures (default: the visible GPUs', else 8.0;9.0a; 9.0a is added wherever 9.0 is
+targeted, see fusedamp/_cuda_archs.py); FUSEDAMP_PTXAS_VERBOSE=1 prints ptxas register/spill
+reports; MAX_JOBS bounds the parallel compile jobs.
 """
 
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -25,7 +27,15 @@ except ImportError:
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;9.0a"
+
+
+def load_cuda_archs():
+    """fusedamp/_cuda_archs.py, loaded by path: importing the package would need _C."""
+    spec = importlib.util.spec_from_file_location(
+        "fusedamp_cuda_archs", os.path.join(ROOT, "fusedamp", "_cuda_archs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def nvcc_toolkit_root(nvcc: str) -> str | None:
@@ -88,8 +98,12 @@ if with_cuda:
     # cpp_extension reads CUDA_HOME when it is imported: resolve the wrapper before that.
     os.environ["CUDA_HOME"] = cuda_home
     check_nvcc_matches_torch(cuda_home)
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+    visible = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    archs, note = load_cuda_archs().resolve_archs(
+        os.environ.get("TORCH_CUDA_ARCH_LIST"), visible, torch.cuda.get_arch_list())
+    if note:
+        print(note, flush=True)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 

@@ -125,6 +125,18 @@ void def_gemm_tile_hooks(py::module_& m) {
   }, "The epilogue activation (0 none, 1 relu, 2 gelu, 3 gelu_tanh) on the host.");
   m.def("gemm_wgmma_descriptor", &g::wgmma_descriptor, py::arg("address"), py::arg("leading"),
         py::arg("stride"), "The wgmma smem descriptor of a 128B-swizzled operand.");
+  m.def("gemm_choose_kernel", [](const std::string& backend, int32_t cc, bool mma_sync_code,
+                                 bool wgmma_code, bool kernel_fits, bool wgmma_fits) {
+    constexpr const char* kKernels[] = {"reference", "mma_sync", "wgmma"};
+    constexpr const char* kMissing[] = {"", "mma_sync", "wgmma"};
+    const g::KernelChoice choice = g::choose_kernel(
+        g::parse_backend(backend), {cc, mma_sync_code, wgmma_code, kernel_fits, wgmma_fits});
+    return std::make_pair(std::string(kKernels[int32_t(choice.kernel)]),
+                          std::string(kMissing[int32_t(choice.missing)]));
+  }, py::arg("backend"), py::arg("cc"), py::arg("mma_sync_code"), py::arg("wgmma_code"),
+     py::arg("kernel_fits"), py::arg("wgmma_fits"),
+     "The CUDA gemm's kernel choice for these facts: (kernel, the kernel whose code the build "
+     "lacks and 'auto' warns about, or '').");
 }
 
 // (launch, slot, tensor, begin, count) for every block, as the CUDA kernels find their work:

@@ -40,14 +40,17 @@ def build_info() -> dict[str, Any]:
     >>> fusedamp.build_info()["cpu_isa"]
     'avx512'
     """
-    from fusedamp import _build_meta
+    from fusedamp import _build_meta, _cuda_archs
 
     has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("fusedamp::unscale_", "CUDA")
+    cuda_compiled = bool(_C.cuda_compiled and has_cuda_kernel)
     return {
         "torch_built_against": _build_meta.TORCH_VERSION,
         "torch_running": torch.__version__,
-        "cuda_compiled": bool(_C.cuda_compiled and has_cuda_kernel),
+        "cuda_compiled": cuda_compiled,
         "cuda_archs": _build_meta.CUDA_ARCHS.split(";") if _build_meta.CUDA_ARCHS else [],
+        # The CUDA GEMM kernels with code in this build (the ATen reference path is always there).
+        "gemm_kernels": _cuda_archs.gemm_kernels(_build_meta.CUDA_ARCHS) if cuda_compiled else [],
         "cpu_isa": _C.cpu_isa(),
         # Threads the CPU ops really use: torch.get_num_threads() unless OpenMP was lost.
         "cpu_threads": _C.parallel_for_threads(),

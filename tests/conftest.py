@@ -1,5 +1,6 @@
-"""Shared pytest set-up: the CPU kernel ISA builds this machine can run, and the hypothesis
-profile (fixed examples under CI, so a CI run never fails on an example no developer saw)."""
+"""Shared pytest set-up: the CPU kernel ISA builds this machine can run, the hypothesis
+profile (fixed examples under CI, so a CI run never fails on an example no developer saw), and
+the `cuda` marker on every test that needs a GPU (`pytest -m cuda` runs just those)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,20 @@ def cpu_isa(request: pytest.FixtureRequest) -> Iterator[str]:
     previous = _C.set_cpu_isa(isa)
     yield isa
     _C.set_cpu_isa(previous)
+
+
+def _needs_gpu(item: pytest.Item) -> bool:
+    """A test needs a GPU when it is skipped without one ("needs a ... GPU ...") or takes a
+    "cuda" device parameter."""
+    for mark in item.iter_markers("skipif"):
+        reason = mark.kwargs.get("reason", "")
+        if reason.startswith("needs a") and "GPU" in reason:
+            return True
+    params = item.callspec.params.values() if hasattr(item, "callspec") else ()
+    return any(isinstance(value, str) and value == "cuda" for value in params)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _needs_gpu(item):
+            item.add_marker(pytest.mark.cuda)

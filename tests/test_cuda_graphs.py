@@ -1,6 +1,7 @@
 """CUDA graphs: a whole AMP training step (forward under fusedamp.autocast, backward,
 GradScaler.step with FusedAdamW/FusedSGD, update) captured once with torch.cuda.graph and
-replayed matches the same steps run eagerly.
+replayed matches the same steps run eagerly; grad_stats replays on new values; a CPU lr tensor,
+which a graph would freeze, is refused under capture.
 
 The step is capturable because nothing in it reads a device value on the host: the loss scale,
 found_inf, the clip coefficient, the step counts and a tensor lr all stay on the device.
@@ -114,3 +115,77 @@ def test_graphed_training_step_matches_eager(optimizer: str) -> None:
     initial, _, _, _ = make(optimizer)
     for graphed, start in zip(graph_params, initial.parameters(), strict=True):
         assert not torch.equal(graphed, start)  # the replays did train
+
+
+def capture(call) -> torch.cuda.CUDAGraph:
+    """A graph of `call` captured after one eager warm-up run on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+CPU_LR_UNDER_CAPTURE = r"lr is a CPU tensor.*captured into a CUDA graph.*Put lr on the device"
+
+
+def test_ops_refuse_a_cpu_lr_tensor_under_capture() -> None:
+    """A CPU lr tensor is read when the step is issued: a graph would replay the captured value
+    forever. Eagerly it is fine; under capture it is an error."""
+    p, g, m, v, b = (torch.full((1000,), 0.5, device="cuda") for _ in range(5))
+    step = torch.zeros((), device="cuda")
+    lr = torch.tensor(1e-2)
+    calls = {
+        "adamw_": lambda: fusedamp.ops.adamw_(
+            [p], [g], [m], [v], [], [], [step], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0,
+        ),
+        "sgd_": lambda: fusedamp.ops.sgd_([p], [g], [b], [], [step], lr=lr, momentum=0.9),
+    }
+    for call in calls.values():
+        call()
+        with pytest.raises(RuntimeError, match=CPU_LR_UNDER_CAPTURE):
+            capture(call)
+    # With lr on the device (the calls read `lr` when they run) the same steps capture.
+    lr = lr.cuda()
+    for call in calls.values():
+        capture(call)
+
+
+@pytest.mark.parametrize("optimizer", [fusedamp.FusedAdamW, fusedamp.FusedSGD])
+def test_fused_optimizers_refuse_a_cpu_lr_tensor_under_capture(optimizer: type) -> None:
+    param = nn.Parameter(torch.randn(64, device="cuda"))
+    param.grad = torch.randn(64, device="cuda")
+    opt = optimizer([param], lr=torch.tensor(1e-2))
+    with pytest.raises(RuntimeError, match=CPU_LR_UNDER_CAPTURE):
+        capture(opt.step)
+
+
+def test_grad_stats_is_captured_and_replays_on_new_values() -> None:
+    """grad_stats passes its metadata as kernel parameters: a replay reads the grads it was
+    captured with, whatever pinned host memory was allocated and overwritten in between."""
+    shapes = [(70000, torch.float16), (5, torch.float32), (0, torch.bfloat16), (300, torch.bfloat16)]
+    grads = [torch.zeros(n, device="cuda", dtype=dtype) for n, dtype in shapes]
+    inv_scale = torch.ones((), device="cuda")
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    graph = capture(lambda: outputs.append(torch.ops.fusedamp.grad_stats(grads, inv_scale)))
+    counts, max_abs = outputs[-1]
+    # Freed pinned blocks are handed out again: take them and fill them with junk before replays.
+    pinned = [torch.empty(1 << e, dtype=torch.uint8).pin_memory() for e in range(4, 17)]
+    for seed in range(3):
+        for block in pinned:
+            block.fill_(255)
+        generator = torch.Generator().manual_seed(seed)
+        values = [(torch.randn(n, generator=generator) * 10.0**-(seed + 3)).to(dtype) for n, dtype in shapes]
+        values[0][7 * seed] = float("inf")
+        for grad, value in zip(grads, values, strict=True):
+            grad.copy_(value)
+        inv_scale.fill_(2.0**-seed)
+        graph.replay()
+        expected_counts, expected_max_abs = torch.ops.fusedamp.grad_stats(values, torch.tensor(2.0**-seed))
+        assert torch.equal(counts.cpu(), expected_counts)
+        assert torch.equal(max_abs.cpu(), expected_max_abs)

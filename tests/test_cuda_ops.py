@@ -3,7 +3,8 @@
 Every test builds its inputs on CPU, runs the op on a CPU copy and a CUDA copy, and compares.
 Values computed with one fp32 multiply (unscaled grads, steps, found_inf) must match bitwise;
 optimizer states may differ by a few fp32 ulps (nvcc contracts a * b + c into FMAs), and half
-params by one ulp of their dtype (rounding the fp32 master that differs by an ulp).
+params by one ulp of their dtype (rounding the fp32 master that differs by an ulp). With inputs
+that make every product exact, the optimizers must match bitwise too, NaNs and infs included.
 """
 
 from __future__ import annotations
@@ -240,6 +241,29 @@ def test_update_scale_matches_cpu_step_by_step() -> None:
             assert torch.equal(cuda_value.cpu(), cpu_value)
 
 
+# --- grad_stats ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inv_scale", [None, 2.0**-12])
+def test_grad_stats_matches_cpu_over_many_launches(inv_scale: float | None) -> None:
+    """Mixed dtypes, empty tensors, misaligned views and more tensors than one launch's
+    parameters hold: counts and max_abs equal the CPU backend's."""
+    generator = torch.Generator().manual_seed(15)
+    sizes = torch.randint(0, 300, (400,), generator=generator).tolist() + [65537, 0, 131072]
+    dtypes = [FLOAT_DTYPES[i % 3] for i in range(len(sizes))]
+    grads = [g * 10.0 ** -(i % 9) for i, g in enumerate(grads_of(dtypes, sizes, seed=16, offset=1))]
+    grads[400][65536] = math.inf
+    grads[402][0] = math.nan
+    cpu_scale = None if inv_scale is None else torch.tensor(inv_scale)
+    expected_counts, expected_max_abs = torch.ops.fusedamp.grad_stats(grads, cpu_scale)
+    counts, max_abs = torch.ops.fusedamp.grad_stats(
+        to_device(grads, CUDA, offset=1), None if cpu_scale is None else cpu_scale.cuda()
+    )
+    assert torch.equal(counts.cpu(), expected_counts)
+    assert torch.equal(max_abs.cpu(), expected_max_abs)
+    assert expected_counts[:, 1].sum() > 0 and expected_counts[:, 2].sum() == 2
+
+
 # --- optimizers ---------------------------------------------------------------------------
 
 # (param dtype, grad dtype, masters): every master kind, and grads of another dtype than params.
@@ -321,12 +345,14 @@ def assert_optimizer_results_match(cuda: dict[str, list], cpu: dict[str, list], 
             assert_same(u, c)
 
 
-def scalar_inputs(device: str, lr_kind: str, inv: float | None, clip: float | None, found: float | None):
-    lr: float | torch.Tensor = 1e-2
+def scalar_inputs(
+    device: str, lr_value: float, lr_kind: str, inv: float | None, clip: float | None, found: float | None
+):
+    lr: float | torch.Tensor = lr_value
     if lr_kind == "cuda":
-        lr = torch.tensor(1e-2, device=device)
+        lr = torch.tensor(lr_value, device=device)
     elif lr_kind == "cpu":
-        lr = torch.tensor(1e-2)
+        lr = torch.tensor(lr_value)
 
     def optional(value: float | None) -> torch.Tensor | None:
         return None if value is None else torch.tensor(value, device=device)
@@ -340,6 +366,9 @@ def run_adamw(
     *,
     amsgrad: bool = False,
     maximize: bool = False,
+    lr: float = 1e-2,
+    betas: tuple[float, float] = (0.8, 0.95),
+    eps: float = 1e-6,
     lr_kind: str = "float",
     inv: float | None = None,
     clip: float | None = None,
@@ -350,7 +379,7 @@ def run_adamw(
     steps: int = 1,
 ) -> dict[str, list]:
     t = copy_tensors(tensors, device, offset)
-    lr, inv_t, clip_t, found_t = scalar_inputs(device, lr_kind, inv, clip, found)
+    lr_arg, inv_t, clip_t, found_t = scalar_inputs(device, lr, lr_kind, inv, clip, found)
     exp_avgs, exp_avg_sqs, max_exp_avg_sqs = t["states"]
     for _ in range(steps):
         ops.adamw_(
@@ -361,10 +390,10 @@ def run_adamw(
             max_exp_avg_sqs if amsgrad else [],
             t["masters"],
             t["steps"],
-            lr=lr,
-            beta1=0.8,
-            beta2=0.95,
-            eps=1e-6,
+            lr=lr_arg,
+            beta1=betas[0],
+            beta2=betas[1],
+            eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
             maximize=maximize,
@@ -384,6 +413,7 @@ def run_sgd(
     dampening: float = 0.1,
     nesterov: bool = False,
     maximize: bool = False,
+    lr: float = 1e-2,
     lr_kind: str = "float",
     inv: float | None = None,
     clip: float | None = None,
@@ -394,7 +424,7 @@ def run_sgd(
     steps: int = 1,
 ) -> dict[str, list]:
     t = copy_tensors(tensors, device, offset)
-    lr, inv_t, clip_t, found_t = scalar_inputs(device, lr_kind, inv, clip, found)
+    lr_arg, inv_t, clip_t, found_t = scalar_inputs(device, lr, lr_kind, inv, clip, found)
     buffers = t["states"][0] if momentum != 0.0 else []
     for _ in range(steps):
         ops.sgd_(
@@ -403,7 +433,7 @@ def run_sgd(
             buffers,
             t["masters"],
             t["steps"],
-            lr=lr,
+            lr=lr_arg,
             momentum=momentum,
             dampening=dampening,
             weight_decay=weight_decay,
@@ -558,3 +588,104 @@ def test_sgd_fp32_matches_float64_reference(nesterov: bool) -> None:
         update = grad + momentum * buffer if nesterov else buffer
         assert_close(result["params"][i], (param - lr * update).float())
         assert_close(result["states"][0][i], buffer.float())
+
+
+# --- optimizers, bitwise against CPU -----------------------------------------------------------
+# With hyperparameters that are powers of two (betas 0.5, lr 2^-6, ...) and grads of at most 8
+# significant bits, every product in the update is exact: whether a compiler fuses a * b + c
+# into an FMA no longer changes the result, and the remaining operations (sums, sqrt, division,
+# rounding to the param's dtype) are correctly rounded on both backends. So CUDA must match the
+# CPU bit for bit, NaN payloads aside (x86 makes 0xFFC00000, a GPU 0x7FFFFFFF): a NaN must be a
+# NaN on both, in every master mode (remainder included).
+
+EXACT_ADAMW = {"lr": 2.0**-6, "betas": (0.5, 0.5), "eps": 2.0**-20, "weight_decay": 0.25}
+EXACT_SGD = {"lr": 2.0**-6, "momentum": 0.5, "dampening": 0.0, "weight_decay": 0.25}
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Same bits, except that a NaN only has to be a NaN in both."""
+    actual, expected = actual.cpu(), expected.cpu()
+    if not expected.is_floating_point():
+        assert torch.equal(actual, expected)
+        return
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    assert torch.equal(bits(actual)[~nan], bits(expected)[~nan])
+
+
+def assert_optimizer_results_bitwise(cuda: dict[str, list], cpu: dict[str, list], master: str | None) -> None:
+    for key in ("params", "grads", "steps"):
+        for u, c in zip(cuda[key], cpu[key], strict=True):
+            assert_bitwise(u, c)
+    for u_list, c_list in zip(cuda["states"], cpu["states"], strict=True):
+        for u, c in zip(u_list, c_list, strict=True):
+            assert_bitwise(u, c)
+    if master is None:
+        return
+    for up, um, cp, cm in zip(cuda["params"], cuda["masters"], cpu["params"], cpu["masters"], strict=True):
+        if master == "remainder":
+            # The fp32 master the pair encodes; a NaN master's remainder bits depend on its payload.
+            assert_bitwise(join_remainder(up, um), join_remainder(cp, cm))
+        else:
+            assert_bitwise(um, cm)
+
+
+def exact_tensors(config: tuple, n_states: int, seed: int) -> dict[str, list]:
+    """optimizer_tensors with grads of 8 significant bits (their squares are exact in fp32)."""
+    tensors = optimizer_tensors(config, SIZES_WITH_EMPTY, n_states, seed)
+    tensors["grads"] = [g.to(torch.bfloat16).to(g.dtype) for g in tensors["grads"]]
+    return tensors
+
+
+def run_exact(optimizer: str, tensors: dict[str, list], device: str, **options) -> dict[str, list]:
+    if optimizer == "adamw":
+        return run_adamw(tensors, device, **{**EXACT_ADAMW, **options})
+    return run_sgd(tensors, device, **{**EXACT_SGD, **options})
+
+
+EXACT_OPTIONS = {
+    "adamw": [{}, {"amsgrad": True, "maximize": True}, {"clip": 0.5, "write": False}],
+    "sgd": [{"dampening": 0.5}, {"nesterov": True, "maximize": True}, {"momentum": 0.0, "clip": 0.5}],
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("config", OPTIMIZER_CONFIGS)
+@pytest.mark.parametrize("variant", range(3))
+def test_optimizer_bitwise_matches_cpu(optimizer: str, config: tuple, variant: int) -> None:
+    tensors = exact_tensors(config, OPTIMIZERS[optimizer][1], seed=20 + variant)
+    options = {"inv": 2.0**-3, "steps": 3, **EXACT_OPTIONS[optimizer][variant]}
+    cuda = run_exact(optimizer, tensors, CUDA, **options)
+    assert_optimizer_results_bitwise(cuda, run_exact(optimizer, tensors, "cpu", **options), config[2])
+    # Not vacuous: the step did move the params.
+    assert not torch.equal(bits(cuda["params"][5].cpu()), bits(tensors["params"][5]))
+
+
+def poison_grads(tensors: dict[str, list]) -> None:
+    """inf, -inf and NaN grads in a few places, first and last elements of chunks included."""
+    where = [(5, 0, math.inf), (5, 65536, -math.inf), (5, 4097, math.nan), (1, 0, math.nan), (4, 3, math.inf)]
+    for tensor, index, value in where:
+        tensors["grads"][tensor][index] = value
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("config", OPTIMIZER_CONFIGS)
+@pytest.mark.parametrize("cause", ["non-finite grads", "huge lr"])
+def test_non_finite_updates_without_found_inf_match_cpu(optimizer: str, config: tuple, cause: str) -> None:
+    """Without found_inf nothing skips the step: infs and NaNs flow into the params and states as
+    on the CPU (and in torch), in every master mode. A NaN master stays a NaN param (a bf16
+    remainder split of the GPU's NaN 0x7FFFFFFF must not wrap to -0.0)."""
+    tensors = exact_tensors(config, OPTIMIZERS[optimizer][1], seed=30)
+    options: dict = {"inv": 2.0**-3, "steps": 2}
+    if cause == "non-finite grads":
+        poison_grads(tensors)
+    else:
+        options["lr"] = 2.0**120  # lr * update overflows float32
+    cuda = run_exact(optimizer, tensors, CUDA, **options)
+    cpu = run_exact(optimizer, tensors, "cpu", **options)
+    assert_optimizer_results_bitwise(cuda, cpu, config[2])
+    updated = cuda["params"][5].cpu().float()
+    assert not updated.isfinite().all()
+    if cause == "non-finite grads" and optimizer == "adamw":
+        # inf / inf in the update: these params must be NaN, not a finite value or a zero.
+        assert updated[[0, 4097, 65536]].isnan().all()

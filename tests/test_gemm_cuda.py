@@ -129,3 +129,123 @@ def test_opcheck_cuda(keep):
     a = torch.randn(64, 32, device="cuda", dtype=torch.float16, requires_grad=True)
     b = torch.randn(16, 32, device="cuda", dtype=torch.float16).t().requires_grad_()
     torch.library.opcheck(torch.ops.fusedamp.gemm.default, (a, b, None, "gelu", None, keep))
+
+
+# --- each kernel forced, against float64 with an error bound from K and the dtypes ---------------
+
+
+@pytest.fixture(params=["mma_sync", "wgmma"])
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The backend forced to one kernel family, where the GPU and this build can run it."""
+    name = request.param
+    capability = torch.cuda.get_device_capability()
+    if name not in fusedamp.build_info()["gemm_kernels"]:
+        pytest.skip(f"this build has no {name} code")
+    if capability < (8, 0) or (name == "wgmma" and capability != (9, 0)):
+        pytest.skip(f"the {name} kernel does not run on sm_{capability[0]}{capability[1]}")
+    previous = _C.set_gemm_backend(name)
+    yield name
+    _C.set_gemm_backend(previous)
+
+
+def operand(rows: int, cols: int, unit: str, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """A (rows, cols) view cut out of a larger buffer: unit stride along "cols" (leading dim a
+    multiple of 8 past cols, as buf[:, :k]) or along "rows" (a transposed such view)."""
+    def pad(n: int) -> int:
+        return (n + 7) // 8 * 8 + 8
+
+    if unit == "cols":
+        return torch.randn(rows + 3, pad(cols), device="cuda", generator=g).to(dtype)[:rows, :cols]
+    return torch.randn(cols + 3, pad(rows), device="cuda", generator=g).to(dtype)[:cols, :rows].t()
+
+
+def assert_within_float64_bound(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                                bias: torch.Tensor | None) -> None:
+    """|out - exact| <= 2 (K + 2) eps32 (|A| |B| + |bias|) + eps_out |exact|: the fp32 accumulation of
+    K exact products (an fp32 ulp per addition, twice over for Tensor Cores that truncate), the
+    bias addition, then one rounding to out's dtype. A lost or doubled product, an element read
+    from the wrong place or an output never written (NaN) exceeds it."""
+    a2 = a.reshape(-1, a.shape[-1]).double()
+    exact = a2 @ b.double()
+    magnitude = a2.abs() @ b.double().abs()
+    if bias is not None:
+        exact += bias.double()
+        magnitude += bias.double().abs()
+    k = a.shape[-1]
+    out_info = torch.finfo(out.dtype)
+    bound = (2 * (k + 2) * torch.finfo(torch.float32).eps * magnitude + out_info.eps * exact.abs()
+             + out_info.tiny * out_info.eps)
+    error = (out.reshape(exact.shape).double() - exact).abs()
+    assert out.shape == (*a.shape[:-1], b.shape[1])
+    worst = (error / bound).nan_to_num(1e9).max().item()
+    assert bool((error <= bound).all()), f"worst error / bound: {worst}"
+
+
+@pytest.mark.parametrize("k", [1, 7, 65, 1001])
+@pytest.mark.parametrize("a_unit,b_unit", list(itertools.product(["cols", "rows"], repeat=2)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_k_tails_and_sliced_views(kernel, k, a_unit, b_unit, dtype):
+    """K from 1 to past a tile, operands sliced out of wider buffers (buf[:, :k] for A, and for
+    B = W.t() as in nn.Linear) or transposed, so that leading dims exceed the extents."""
+    g = torch.Generator(device="cuda").manual_seed(k)
+    a = operand(200, k, a_unit, dtype, g)
+    b = operand(k, 264, b_unit, dtype, g)
+    bias = torch.randn(264, device="cuda", generator=g)
+    poison_allocator()
+    assert_within_float64_bound(ops.gemm(a, b, bias), a, b, bias)
+
+
+@pytest.mark.parametrize("misalignment", ["storage_offset", "leading_dim"])
+@pytest.mark.parametrize("operand_name", ["a", "b"])
+def test_misaligned_operands_take_the_reference_path(kernel, misalignment, operand_name):
+    """cp.async and TMA need 16-byte aligned rows: a view one element into its storage, or with a
+    leading dim that is not a multiple of 8, must run the ATen reference (same bits)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    m, n, k = 136, 264, 64
+    a = torch.randn(m, k, device="cuda", generator=g).half()
+    b = torch.randn(k, n, device="cuda", generator=g).half()
+    source = a if operand_name == "a" else b
+    rows, cols = source.shape
+    if misalignment == "storage_offset":
+        view = torch.empty(rows * cols + 1, device="cuda", dtype=source.dtype)[1:].view(rows, cols)
+    else:
+        view = torch.empty(rows, cols + 1, device="cuda", dtype=source.dtype)[:, :cols]
+    view.copy_(source)
+    a, b = (view, b) if operand_name == "a" else (a, view)
+    out = ops.gemm(a, b)
+    previous = _C.set_gemm_backend("reference")
+    try:
+        expected = ops.gemm(a, b)
+    finally:
+        _C.set_gemm_backend(previous)
+    assert torch.equal(out, expected)
+    assert_within_float64_bound(out, a, b, None)
+
+
+@pytest.mark.parametrize("bias_dtype", [None, "input", torch.float32])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tails_in_every_dim_and_more_tiles_than_sms(kernel, bias_dtype, out_dtype, dtype):
+    """2000 x 3000 x 1000: M, N and K tails in every tile size, several tiles per SM (the
+    persistent wgmma grid walks more than one), bias absent, in the input type or fp32."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    m, n, k = 2000, 3000, 1000
+    a = torch.randn(m, k, device="cuda", generator=g).to(dtype)
+    b = torch.randn(n, k, device="cuda", generator=g).to(dtype).t()
+    bias = None
+    if bias_dtype is not None:
+        bias = torch.randn(n, device="cuda", generator=g).to(dtype if bias_dtype == "input" else bias_dtype)
+    poison_allocator()
+    out = ops.gemm(a, b, bias, out_dtype=out_dtype)
+    assert out.dtype == (out_dtype or dtype)
+    assert_within_float64_bound(out, a, b, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_3d_input(kernel, dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(4, 50, 136, device="cuda", generator=g).to(dtype)
+    b = torch.randn(136, 264, device="cuda", generator=g).to(dtype)
+    bias = torch.randn(264, device="cuda", generator=g)
+    poison_allocator()
+    assert_within_float64_bound(ops.gemm(a, b, bias), a, b, bias)

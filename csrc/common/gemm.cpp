@@ -91,15 +91,40 @@ Backend backend() { return g_backend.load(); }
 
 std::string backend_name() { return kBackendNames[int32_t(backend())]; }
 
-std::string set_backend(const std::string& name) {
+Backend parse_backend(const std::string& name) {
   for (int32_t i = 0; i < 4; ++i) {
-    if (name == kBackendNames[i]) {
-      const Backend previous = g_backend.exchange(Backend(i));
-      return kBackendNames[int32_t(previous)];
-    }
+    if (name == kBackendNames[i]) return Backend(i);
   }
   TORCH_CHECK_VALUE(false, "fusedamp: unknown gemm backend '", name,
                     "'; choose reference, auto, mma_sync or wgmma");
+}
+
+std::string set_backend(const std::string& name) {
+  const Backend previous = g_backend.exchange(parse_backend(name));
+  return kBackendNames[int32_t(previous)];
+}
+
+KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in) {
+  if (backend == Backend::kReference) return {Kernel::kReference, MissingCode::kNone};
+  TORCH_CHECK(backend != Backend::kWgmma || in.wgmma_code, "fusedamp.gemm: the wgmma backend ",
+              "needs an sm_90 GPU and a build for arch 9.0a (fusedamp.build_info()['gemm_kernels'] ",
+              "lists this build's kernels); this is sm_", in.cc, ". Use 'auto' or 'mma_sync'.");
+  TORCH_CHECK(backend != Backend::kMmaSync || in.cc >= 80, "fusedamp.gemm: the mma_sync backend ",
+              "needs an sm_80 or newer GPU; this is sm_", in.cc, ". Use 'reference'.");
+  TORCH_CHECK(backend != Backend::kMmaSync || in.mma_sync_code, "fusedamp.gemm: this build has ",
+              "no mma.sync code that runs on this sm_", in.cc, " GPU (fusedamp.build_info()",
+              "['cuda_archs'] lists the archs it was built for). Rebuild with TORCH_CUDA_ARCH_LIST ",
+              "naming this GPU's arch, or use 'auto' or 'reference'.");
+  if (!in.kernel_fits) return {Kernel::kReference, MissingCode::kNone};
+  if (backend == Backend::kWgmma) {
+    return {in.wgmma_fits ? Kernel::kWgmma : Kernel::kReference, MissingCode::kNone};
+  }
+  if (backend == Backend::kMmaSync) return {Kernel::kMmaSync, MissingCode::kNone};
+  if (in.wgmma_code && in.wgmma_fits) return {Kernel::kWgmma, MissingCode::kNone};
+  if (in.cc < 80) return {Kernel::kReference, MissingCode::kNone};
+  if (!in.mma_sync_code) return {Kernel::kReference, MissingCode::kMmaSync};
+  const bool wgmma_missing = in.cc == 90 && !in.wgmma_code && in.wgmma_fits;
+  return {Kernel::kMmaSync, wgmma_missing ? MissingCode::kWgmma : MissingCode::kNone};
 }
 
 }  // namespace fusedamp::gemm

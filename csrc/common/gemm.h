@@ -39,7 +39,36 @@ enum class Backend : int32_t { kReference = 0, kAuto = 1, kMmaSync = 2, kWgmma =
 
 Backend backend();
 std::string backend_name();
-// Sets the backend by name (reference, auto, mma_sync, wgmma); returns the previous name.
+// The backend called `name` (reference, auto, mma_sync, wgmma); a ValueError for other names.
+Backend parse_backend(const std::string& name);
+// Sets the backend by name; returns the previous name.
 std::string set_backend(const std::string& name);
+
+// The code that runs one CUDA gemm.
+enum class Kernel : int32_t { kReference = 0, kMmaSync = 1, kWgmma = 2 };
+
+// What the kernel choice needs to know besides the backend (host-only, so that tests reach every
+// combination without a GPU, through _C.gemm_choose_kernel).
+struct KernelChoiceInputs {
+  int32_t cc;          // the device's compute capability, major * 10 + minor
+  bool mma_sync_code;  // this build holds mma.sync code the device runs (its SASS, or PTX it JITs)
+  bool wgmma_code;     // this build holds sm_90a wgmma code the device runs
+  bool kernel_fits;    // the kernels take the problem: 1 <= K, sizes fit int32, aligned operands
+  bool wgmma_fits;     // the wgmma kernel takes it too: 16-bit output, N a multiple of 8
+};
+
+// Why `auto` did not take the kernel made for this device: this build lacks its code.
+enum class MissingCode : int32_t { kNone = 0, kMmaSync = 1, kWgmma = 2 };
+
+struct KernelChoice {
+  Kernel kernel;
+  MissingCode missing;  // the caller warns once about each kind
+};
+
+// auto: wgmma where its code runs and the problem fits, else mma.sync on sm_80+ when this build
+// has code for the device, else the reference. A forced mma_sync or wgmma backend is an error on a
+// device the build has no such code for; a problem the forced kernel cannot take gets the
+// reference.
+KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in);
 
 }  // namespace fusedamp::gemm

@@ -1,41 +1,30 @@
 // CUDA backend of fusedamp::grad_stats: one block per chunk of any grad; each block reduces
-// its chunk and adds the result to its grad's row with atomics. One launch, no host sync.
+// its chunk and adds the result to its grad's row with atomics. No host sync, and no host
+// buffer either (the metadata travels as kernel parameters), so CUDA graphs can capture it.
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAStream.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <algorithm>
 
 #include "common/grad_stats_inputs.h"
+#include "cuda/multi_tensor_apply.cuh"
+#include "fusedamp/dispatch.h"
 #include "fusedamp/math/grad_stats.h"
-#include "fusedamp/multi_tensor_plan.h"
 
 namespace fusedamp::cuda {
 namespace {
 
-constexpr int64_t kChunkSize = 1 << 16;
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = kBlockThreads / 32;
 
-// One grad as the kernel sees it.
-struct TensorMeta {
-  const void* data;
-  int64_t numel;
-  DType dtype;
+// The launcher's lists: each grad, and where its statistics go (its row of counts, its
+// max_abs_bits element). The output pointers are per tensor, never offset by a chunk.
+enum GradStatsList { kGrad, kCounts, kMaxAbsBits, kGradStatsLists };
+
+struct GradStatsArgs {
+  const float* inv_scale;  // null: multiplier 1
 };
-
-template <DType G>
-__device__ void thread_stats(const void* data, int64_t begin, int64_t end, float multiplier,
-                             GradStats& stats) {
-  const auto* grad = static_cast<const storage_t<G>*>(data);
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    accumulate_grad_stats<G>(grad, i, multiplier, stats);
-  }
-}
 
 __device__ void warp_reduce(GradStats& stats) {
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -46,27 +35,21 @@ __device__ void warp_reduce(GradStats& stats) {
   }
 }
 
-// counts: (num_grads, kGradStatsCounts), zero-initialized. max_abs_bits: the float bits of
+// counts rows: kGradStatsCounts zero-initialized totals. max_abs_bits: the float bits of
 // max_abs, zero-initialized; max_abs is never negative, so comparing its bits as unsigned
 // integers orders it like floats and atomicMax works on them.
-__global__ void __launch_bounds__(kThreads)
-grad_stats_kernel(const TensorMeta* tensors, const ChunkTask* tasks, const float* inv_scale,
-                  unsigned long long* counts, unsigned int* max_abs_bits) {
-  const ChunkTask task = tasks[blockIdx.x];
-  const TensorMeta meta = tensors[task.tensor];
-  const float multiplier = inv_scale ? *inv_scale : 1.0f;
-  const int64_t begin = task.chunk * kChunkSize;
-  const int64_t end = min(meta.numel, begin + kChunkSize);
+template <DType G>
+__global__ void __launch_bounds__(kBlockThreads)
+    grad_stats_kernel(const __grid_constant__ ChunkMetadata<kGradStatsLists> meta,
+                      const GradStatsArgs args) {
+  const ChunkLocation chunk = this_chunk(meta);
+  const auto* grad = chunk_pointer<const storage_t<G>>(meta, kGrad, chunk);
+  auto* counts = static_cast<unsigned long long*>(meta.pointers[kCounts][chunk.slot]);
+  auto* max_abs_bits = static_cast<unsigned int*>(meta.pointers[kMaxAbsBits][chunk.slot]);
+  const float multiplier = args.inv_scale ? *args.inv_scale : 1.0f;
   GradStats stats;
-  switch (meta.dtype) {
-    case DType::kFloat16:
-      thread_stats<DType::kFloat16>(meta.data, begin, end, multiplier, stats);
-      break;
-    case DType::kBFloat16:
-      thread_stats<DType::kBFloat16>(meta.data, begin, end, multiplier, stats);
-      break;
-    default:
-      thread_stats<DType::kFloat32>(meta.data, begin, end, multiplier, stats);
+  for (int64_t i = threadIdx.x; i < chunk.count; i += kBlockThreads) {
+    accumulate_grad_stats<G>(grad, i, multiplier, stats);
   }
   warp_reduce(stats);
 
@@ -83,13 +66,20 @@ grad_stats_kernel(const TensorMeta* tensors, const ChunkTask* tasks, const float
   if (threadIdx.x < kGradStatsCounts) {
     long long total = 0;
     for (int w = 0; w < kWarps; ++w) total += warp_counts[threadIdx.x][w];
-    atomicAdd(&counts[task.tensor * kGradStatsCounts + threadIdx.x], (unsigned long long)total);
+    atomicAdd(&counts[threadIdx.x], (unsigned long long)total);
   } else if (threadIdx.x == kGradStatsCounts) {
     float largest = 0.0f;
     for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, warp_max[w]);
-    atomicMax(&max_abs_bits[task.tensor], __float_as_uint(largest));
+    atomicMax(max_abs_bits, __float_as_uint(largest));
   }
 }
+
+// The grads of one element type (a kernel instantiation each) with their output pointers.
+struct GradStatsGroup {
+  DType dtype;
+  std::array<std::vector<void*>, kGradStatsLists> pointers;
+  std::vector<int64_t> numels;
+};
 
 std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
                                                    const c10::optional<at::Tensor>& inv_scale) {
@@ -99,29 +89,24 @@ std::tuple<at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
   const auto on_device = at::TensorOptions().device(call.device);
   at::Tensor counts = at::zeros({count, kGradStatsCounts}, on_device.dtype(at::kLong));
   at::Tensor max_abs_bits = at::zeros({count}, on_device.dtype(at::kInt));
-  const std::vector<ChunkTask> tasks = plan_chunks(call.numels, kChunkSize);
-  if (!tasks.empty()) {
-    // Metadata goes up in one pinned buffer: the TensorMeta array, then the ChunkTask array.
-    const size_t meta_bytes = sizeof(TensorMeta) * grads.size();
-    const size_t task_offset = (meta_bytes + alignof(ChunkTask) - 1) / alignof(ChunkTask) * alignof(ChunkTask);
-    const size_t total_bytes = task_offset + sizeof(ChunkTask) * tasks.size();
-    at::Tensor host = at::empty({int64_t(total_bytes)},
-                                at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    auto* bytes = static_cast<uint8_t*>(host.data_ptr());
-    for (int64_t t = 0; t < count; ++t) {
-      const TensorMeta meta{grads[t].const_data_ptr(), call.numels[t], call.dtypes[t]};
-      std::memcpy(bytes + sizeof(TensorMeta) * t, &meta, sizeof(meta));
+  std::vector<GradStatsGroup> groups;
+  for (int64_t t = 0; t < count; ++t) {
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const GradStatsGroup& g) { return g.dtype == call.dtypes[t]; });
+    if (group == groups.end()) {
+      group = groups.insert(groups.end(), GradStatsGroup{call.dtypes[t], {}, {}});
     }
-    std::memcpy(bytes + task_offset, tasks.data(), sizeof(ChunkTask) * tasks.size());
-    const at::Tensor device_meta = host.to(call.device, /*non_blocking=*/true);
-    const auto* device_bytes = static_cast<const uint8_t*>(device_meta.const_data_ptr());
-    grad_stats_kernel<<<unsigned(tasks.size()), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        reinterpret_cast<const TensorMeta*>(device_bytes),
-        reinterpret_cast<const ChunkTask*>(device_bytes + task_offset),
-        inv_scale ? inv_scale->const_data_ptr<float>() : nullptr,
-        reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()),
-        reinterpret_cast<unsigned int*>(max_abs_bits.data_ptr<int32_t>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    group->pointers[kGrad].push_back(const_cast<void*>(grads[t].const_data_ptr()));
+    group->pointers[kCounts].push_back(counts.data_ptr<int64_t>() + t * kGradStatsCounts);
+    group->pointers[kMaxAbsBits].push_back(max_abs_bits.data_ptr<int32_t>() + t);
+    group->numels.push_back(call.numels[t]);
+  }
+  const GradStatsArgs args{inv_scale ? inv_scale->const_data_ptr<float>() : nullptr};
+  for (const GradStatsGroup& group : groups) {
+    with_float_dtype(group.dtype, [&](auto g) {
+      launch_chunks<kGradStatsLists>(grad_stats_kernel<decltype(g)::value>, group.pointers,
+                                     group.numels, args);
+    });
   }
   return {counts, max_abs_bits.view(at::kFloat)};
 }

@@ -24,6 +24,13 @@ __global__ void __launch_bounds__(kMaxStepCounters)
   if (int32_t(threadIdx.x) < counters.count) *counters.steps[threadIdx.x] += 1.0f;
 }
 
+// Whether the work queued on the current stream is being captured into a CUDA graph.
+bool current_stream_capturing() {
+  cudaStreamCaptureStatus status;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 }  // namespace
 
 StepInputs step_inputs(double lr, const c10::optional<at::Tensor>& lr_tensor,
@@ -36,6 +43,11 @@ StepInputs step_inputs(double lr, const c10::optional<at::Tensor>& lr_tensor,
   StepInputs inputs{device_pointer(found_inf), device_pointer(inv_grad_scale),
                     device_pointer(clip_coef), nullptr, lr};
   if (lr_tensor && lr_tensor->is_cpu()) {
+    // Read now, so a graph captured now would replay this value forever, whatever the tensor holds.
+    TORCH_CHECK(!current_stream_capturing(), "fusedamp: the optimizer step's lr is a CPU tensor, "
+                "read once when the step is issued, but the step is being captured into a CUDA "
+                "graph: every replay would reuse the captured lr. Put lr on the device (e.g. "
+                "torch.tensor(1e-3, device='cuda')) to change it between replays.");
     inputs.host_lr = double(*lr_tensor->data_ptr<float>());
   } else {
     inputs.lr = device_pointer(lr_tensor);

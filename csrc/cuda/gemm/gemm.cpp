@@ -1,9 +1,13 @@
-// CUDA backend of fusedamp::gemm: validates, picks a kernel for the device and the operands'
-// layouts (wgmma on sm_90a, mma.sync on sm_80+, else the ATen reference) and launches it.
+// CUDA backend of fusedamp::gemm: validates, picks a kernel for the device, the code this build
+// has for it and the operands' layouts (wgmma on sm_90a, mma.sync on sm_80+, else the ATen
+// reference) and launches it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
 
 #include "common/gemm.h"
 #include "cuda/gemm/params.h"
@@ -26,36 +30,59 @@ Operand describe(const at::Tensor& t) {
   return {dense, true, std::max<int64_t>(cols, 1)};
 }
 
+// Which GEMM code this build holds for a device. Asked of the CUDA runtime once per device:
+// kernel images do not change while the process runs.
+struct DeviceCode {
+  int32_t cc;
+  bool mma_sync;
+  bool wgmma;
+};
+
+DeviceCode device_code(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, DeviceCode> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(device);
+  if (found != known.end()) return found->second;
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+  const c10::cuda::CUDAGuard guard(device);  // the image queries ask about the current device
+  const DeviceCode code{props->major * 10 + props->minor, sm80_kernels_built(),
+                        sm90_kernels_built()};
+  known.emplace(device, code);
+  return code;
+}
+
 // What the kernels need from an operand: 16-byte aligned rows (cp.async / TMA).
 bool kernel_ready(const Operand& op) {
   return op.ld % 8 == 0 && reinterpret_cast<uintptr_t>(op.tensor.data_ptr()) % 16 == 0;
 }
 
-enum class Kernel { kReference, kSm80, kSm90 };
-
-Kernel choose_kernel(const Operand& a, const Operand& b, int64_t m, int64_t n, int64_t k,
-                     bool out_fp32) {
-  const Backend wanted = backend();
-  if (wanted == Backend::kReference) return Kernel::kReference;
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int cc = props->major * 10 + props->minor;
-  const bool sm90 = cc == 90 && sm90_kernels_built();
-  TORCH_CHECK(wanted != Backend::kWgmma || sm90, "fusedamp.gemm: the wgmma backend needs an sm_90 "
-              "GPU and a build for arch 9.0a; this is sm_", cc, ". Use 'auto' or 'mma_sync'.");
-  TORCH_CHECK(wanted != Backend::kMmaSync || cc >= 80, "fusedamp.gemm: the mma_sync backend needs "
-              "an sm_80 or newer GPU; this is sm_", cc, ". Use 'reference'.");
+Kernel pick_kernel(c10::DeviceIndex device, const Operand& a, const Operand& b, int64_t m,
+                   int64_t n, int64_t k, bool out_fp32) {
+  const Backend backend = fusedamp::gemm::backend();
+  if (backend == Backend::kReference) return Kernel::kReference;
+  const DeviceCode code = device_code(device);
   const int64_t int_max = std::numeric_limits<int32_t>::max();
-  if (cc < 80 || k == 0 || m > int_max || n > int_max || k > int_max || !kernel_ready(a) ||
-      !kernel_ready(b)) {
-    return Kernel::kReference;
-  }
+  KernelChoiceInputs in;
+  in.cc = code.cc;
+  in.mma_sync_code = code.mma_sync;
+  in.wgmma_code = code.wgmma;
+  in.kernel_fits = k > 0 && m <= int_max && n <= int_max && k <= int_max && kernel_ready(a) &&
+                   kernel_ready(b);
   // TMA stores need 16-byte output rows; fp32 outputs are left to mma.sync (see sm90.cuh).
-  const bool sm90_fits = !out_fp32 && n % 8 == 0;
-  if (sm90 && sm90_fits && (wanted == Backend::kAuto || wanted == Backend::kWgmma)) {
-    return Kernel::kSm90;
+  in.wgmma_fits = !out_fp32 && n % 8 == 0;
+  const KernelChoice choice = choose_kernel(backend, in);
+  if (choice.missing == MissingCode::kMmaSync) {
+    TORCH_WARN_ONCE("fusedamp.gemm: this build has no mma.sync code that runs on this sm_", code.cc,
+                    " GPU (fusedamp.build_info()['cuda_archs'] lists the archs it was built for), ",
+                    "so gemm runs the slower ATen reference. Rebuild with TORCH_CUDA_ARCH_LIST ",
+                    "naming this GPU's arch.");
+  } else if (choice.missing == MissingCode::kWgmma) {
+    TORCH_WARN_ONCE("fusedamp.gemm: this build has no sm_90a wgmma code (arch 9.0 without the 'a' ",
+                    "compiles it empty), so gemm uses the slower mma.sync kernel. Rebuild with ",
+                    "TORCH_CUDA_ARCH_LIST including 9.0a.");
   }
-  if (wanted == Backend::kWgmma) return Kernel::kReference;
-  return Kernel::kSm80;
+  return choice.kernel;
 }
 
 std::tuple<at::Tensor, at::Tensor> gemm_cuda(const at::Tensor& a, const at::Tensor& b,
@@ -69,8 +96,9 @@ std::tuple<at::Tensor, at::Tensor> gemm_cuda(const at::Tensor& a, const at::Tens
   const Operand a_op = describe(call.a2d);
   const Operand b_op = describe(b);
   const bool out_fp32 = call.out_dtype == at::kFloat;
-  const Kernel kernel = m == 0 || n == 0 ? Kernel::kReference
-                                         : choose_kernel(a_op, b_op, m, n, k, out_fp32);
+  const Kernel kernel = m == 0 || n == 0
+                            ? Kernel::kReference
+                            : pick_kernel(a.device().index(), a_op, b_op, m, n, k, out_fp32);
   if (kernel == Kernel::kReference) return gemm_reference(call, b, bias, keep_preactivation);
 
   const at::TensorOptions options = a.options().dtype(call.out_dtype);
@@ -97,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> gemm_cuda(const at::Tensor& a, const at::Tens
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fp16 = a.scalar_type() == at::kHalf;
-  if (kernel == Kernel::kSm90) {
+  if (kernel == Kernel::kWgmma) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     fp16 ? launch_sm90_fp16(p, sms, stream) : launch_sm90_bf16(p, sms, stream);
   } else {

@@ -1,6 +1,21 @@
-// fp16 instantiations of the sm_80+ mma.sync GEMM kernel (own translation unit: builds in parallel).
+// fp16 instantiations of the sm_80+ mma.sync GEMM kernel (own translation unit: builds in parallel),
+// and the check that the device can run them.
 #include "cuda/gemm/sm80.cuh"
 
 namespace fusedamp::gemm {
+
 void launch_sm80_fp16(const GemmParams& p, cudaStream_t stream) { launch_sm80<__half>(p, stream); }
+
+bool sm80_kernels_built() {
+  // The runtime finds no image (cudaErrorNoKernelImageForDevice) when the build has neither SASS
+  // this device runs nor PTX the driver can compile for it: e.g. an 8.0-only build on sm_90, or
+  // 8.0;9.0a on sm_100. Every mma.sync kernel is built for the same archs: one stands for all.
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, gemm_sm80_kernel<__half, true, true>) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it so that it is not reported by a later check
+    return false;
+  }
+  return true;
+}
+
 }  // namespace fusedamp::gemm
