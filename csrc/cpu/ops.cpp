@@ -80,17 +80,30 @@ std::vector<int64_t> numels_of(at::TensorList tensors) {
   return numels;
 }
 
-// Runs body(task_index, tensor_index, begin, end) for every chunk, in parallel.
+// Runs body(task_index, tensor_index, begin, end) for every chunk. Threads take chunks one at a
+// time from a shared counter instead of a fixed share each: tails and small tensors make chunks
+// uneven, and on a shared machine a thread that is descheduled for a while must not hold back
+// the work it has not started (the running threads take it). A call with under two chunks of
+// elements runs inline: waking the other threads would cost more than it saves.
 template <typename Body>
 void for_each_chunk(const std::vector<ChunkTask>& tasks, const std::vector<int64_t>& numels,
                     Body&& body) {
-  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const ChunkTask& task = tasks[k];
-      const int64_t begin = task.chunk * kChunkSize;
-      const int64_t end = std::min(numels[task.tensor], begin + kChunkSize);
-      body(k, task.tensor, begin, end);
-    }
+  auto run = [&](int64_t k) {
+    const ChunkTask& task = tasks[k];
+    const int64_t begin = task.chunk * kChunkSize;
+    const int64_t end = std::min(numels[task.tensor], begin + kChunkSize);
+    body(k, task.tensor, begin, end);
+  };
+  const int64_t count = int64_t(tasks.size());
+  int64_t elements = 0;
+  for (const int64_t numel : numels) elements += numel;
+  if (elements < 2 * kChunkSize || at::get_num_threads() == 1) {
+    for (int64_t k = 0; k < count; ++k) run(k);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t k = next.fetch_add(1); k < count; k = next.fetch_add(1)) run(k);
   });
 }
 
