@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedamp import ops
+from fusedamp import _C, ops
 
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 # 1.0 round-trips every value; the others land between representable values and exercise
@@ -48,3 +48,23 @@ def test_random_floats_round_like_torch(cpu_isa: str, dtype: torch.dtype) -> Non
         grads = [halves.clone()]
         ops.unscale_(grads, torch.zeros(()), torch.tensor(inv))
         assert torch.equal(grads[0].view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("inv_scale", [1.0, 0.7, 2.0**-20])
+def test_isa_builds_agree_bitwise_nan_payloads_included(cpu_isa: str, dtype: torch.dtype, inv_scale: float):
+    """The vector conversions of the AVX2 / AVX-512 builds ([note: half staging]) against the
+    scalar rule of math/dtypes.h that the baseline build runs, on every bit pattern: NaNs keep
+    their payload and gain the quiet bit in both."""
+    values = every_bit_pattern(dtype)
+    results = {}
+    previous = _C.set_cpu_isa("baseline")
+    try:
+        for isa in ("baseline", cpu_isa):
+            _C.set_cpu_isa(isa)
+            grads = [values.clone()]
+            ops.unscale_(grads, torch.zeros(()), torch.tensor(inv_scale))
+            results[isa] = grads[0].view(torch.int16)
+    finally:
+        _C.set_cpu_isa(previous)
+    assert torch.equal(results["baseline"], results[cpu_isa])

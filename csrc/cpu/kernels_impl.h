@@ -19,11 +19,14 @@
 namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 
-// [note: fp16 staging] g++ vectorizes the bf16 conversions well but not the fp16 ones, and torch
-// converts fp16 with F16C. So where the ISA has F16C, the kernels convert fp16 data tile by tile
-// into fp32 buffers with the conversion instructions (round to nearest even, like dtypes.h: the
-// results are identical), run the same per-element math on the buffers as fp32, and convert back.
-constexpr bool kStageFp16 = FUSEDAMP_F16C_LANES > 0;
+// [note: half staging] Converting fp32 to fp16 or bf16 inside the fused loops vectorizes poorly
+// (g++ does not use F16C for fp16, and packs the bf16 results with slow lane permutes, at 2x the
+// cost of torch's conversion on AVX2). So on x86 builds with vector conversions the kernels
+// convert half data tile by tile into fp32 buffers (fp16 with the F16C/AVX-512 instructions,
+// bf16 with the integer rounding of dtypes.h's float_to_bf16 written in vector intrinsics: both
+// round to nearest even with the same NaN rule, so the results are identical), run the same
+// per-element math on the buffers as fp32, and convert back.
+constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
 constexpr int64_t kStageTile = 1024;
 
 inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
@@ -59,13 +62,80 @@ inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = float_to_fp16(src[i]);
 }
 
-// The element type the math sees after staging.
-template <DType T>
-constexpr DType staged = (kStageFp16 && T == DType::kFloat16) ? DType::kFloat32 : T;
+inline void bf16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
 
-// Pointers of one optimizer tensor moved to element `offset`, with fp16 params and grads
-// replaced by fp32 tile buffers (see [note: fp16 staging]); load_param says whether the math
-// reads the param (it does not when an fp32 master holds the value).
+// dtypes.h's float_to_bf16, lane by lane: round to nearest even on the bit pattern, NaN to
+// (bits >> 16) | 0x40.
+inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 16
+  const __m512i one = _mm512_set1_epi32(1), half_ulp = _mm512_set1_epi32(0x7fff);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __m512i quiet = _mm512_set1_epi32(0x40);
+  const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512i high = _mm512_maskz_srli_epi32(all, bits, 16);
+    const __m512i bias = _mm512_add_epi32(half_ulp, _mm512_and_si512(high, one));
+    const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, bias), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    const __m512i result = _mm512_mask_or_epi32(rounded, nan, high, quiet);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_maskz_cvtepi32_epi16(all, result));
+  }
+#elif FUSEDAMP_F16C_LANES == 8
+  const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    const __m256i high = _mm256_srli_epi32(bits, 16);
+    const __m256i bias = _mm256_add_epi32(half_ulp, _mm256_and_si256(high, one));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    // Both sides are below 2^31 here, so the signed comparison is the unsigned one.
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
+    const __m256i result = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
+    // packus keeps each 128-bit lane's four values in its low half: gather both halves.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+template <DType T>
+void half_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
+  if constexpr (T == DType::kFloat16) {
+    fp16_tile_to_float(src, dst, n);
+  } else {
+    bf16_tile_to_float(src, dst, n);
+  }
+}
+
+template <DType T>
+void float_tile_to_half(const float* src, uint16_t* dst, int64_t n) {
+  if constexpr (T == DType::kFloat16) {
+    float_tile_to_fp16(src, dst, n);
+  } else {
+    float_tile_to_bf16(src, dst, n);
+  }
+}
+
+// The element type the math sees after staging ([note: half staging]).
+template <DType T>
+constexpr DType staged = (kStageHalf && T != DType::kFloat32) ? DType::kFloat32 : T;
+// The same for read-only passes, which only widen: bf16 widens with one shift in the loop.
+template <DType T>
+constexpr DType staged_read = (kStageHalf && T == DType::kFloat16) ? DType::kFloat32 : T;
+// A bf16 param with remainder masters is never staged: the remainder needs its bits.
+template <DType P, MasterKind M>
+constexpr DType staged_param = M == MasterKind::kRemainder ? P : staged<P>;
+
+// Pointers of one optimizer tensor moved to element `offset`, with half params and grads
+// replaced by fp32 tile buffers (see [note: half staging]). The param is converted in only when
+// the math reads it (not when an fp32 master holds the value).
 template <DType P, DType G, MasterKind M, typename Pointers>
 Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n, float* param_tile,
                      float* grad_tile) {
@@ -73,24 +143,28 @@ Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n, float* param_
   s.param = static_cast<storage_t<P>*>(t.param) + offset;
   s.grad = static_cast<storage_t<G>*>(t.grad) + offset;
   if constexpr (M != MasterKind::kNone) s.master = static_cast<master_storage_t<M>*>(t.master) + offset;
-  if constexpr (P != staged<P>) {
-    if constexpr (M == MasterKind::kNone) fp16_tile_to_float(static_cast<uint16_t*>(s.param), param_tile, n);
+  if constexpr (P != staged_param<P, M>) {
+    if constexpr (M == MasterKind::kNone) {
+      half_tile_to_float<P>(static_cast<uint16_t*>(s.param), param_tile, n);
+    }
     s.param = param_tile;
   }
   if constexpr (G != staged<G>) {
-    fp16_tile_to_float(static_cast<uint16_t*>(s.grad), grad_tile, n);
+    half_tile_to_float<G>(static_cast<uint16_t*>(s.grad), grad_tile, n);
     s.grad = grad_tile;
   }
   return s;
 }
 
-// Writes a tile's staged fp16 param (and grad, when the step writes grads) back.
-template <DType P, DType G, typename Pointers>
+// Writes a tile's staged half param (and grad, when the step writes grads) back.
+template <DType P, DType G, MasterKind M, typename Pointers>
 void unstage_tile(const Pointers& t, int64_t offset, int64_t n, const float* param_tile,
                   const float* grad_tile, bool write_grad) {
-  if constexpr (P != staged<P>) float_tile_to_fp16(param_tile, static_cast<uint16_t*>(t.param) + offset, n);
+  if constexpr (P != staged_param<P, M>) {
+    float_tile_to_half<P>(param_tile, static_cast<uint16_t*>(t.param) + offset, n);
+  }
   if constexpr (G != staged<G>) {
-    if (write_grad) float_tile_to_fp16(grad_tile, static_cast<uint16_t*>(t.grad) + offset, n);
+    if (write_grad) float_tile_to_half<G>(grad_tile, static_cast<uint16_t*>(t.grad) + offset, n);
   }
 }
 
@@ -102,9 +176,9 @@ bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
     bool found = false;
     for (int64_t first = begin; first < end; first += kStageTile) {
       const int64_t n = std::min(kStageTile, end - first);
-      fp16_tile_to_float(halves + first, tile, n);
+      half_tile_to_float<G>(halves + first, tile, n);
       found |= unscale_range<DType::kFloat32>(tile, 0, n, inv_scale);
-      float_tile_to_fp16(tile, halves + first, n);
+      float_tile_to_half<G>(tile, halves + first, n);
     }
     return found;
   }
@@ -118,14 +192,14 @@ bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
 template <DType G>
 bool check_range(const void* grad, int64_t begin, int64_t end, float multiplier,
                  float* sum_of_squares) {
-  if constexpr (G != staged<G>) {
+  if constexpr (G != staged_read<G>) {
     const auto* halves = static_cast<const uint16_t*>(grad);
     float tile[kStageTile];
     bool found = false;
     float sum = 0.0f;
     for (int64_t first = begin; first < end; first += kStageTile) {
       const int64_t n = std::min(kStageTile, end - first);
-      fp16_tile_to_float(halves + first, tile, n);
+      half_tile_to_float<G>(halves + first, tile, n);
       float tile_sum = 0.0f;
       found |= check_range<DType::kFloat32>(tile, 0, n, multiplier, &tile_sum);
       sum += tile_sum;
@@ -149,7 +223,7 @@ bool check_range(const void* grad, int64_t begin, int64_t end, float multiplier,
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWKernelArgs& args, int64_t begin,
                  int64_t end) {
-  if constexpr (P != staged<P> || G != staged<G>) {
+  if constexpr (P != staged_param<P, M> || G != staged<G>) {
     float param_tile[kStageTile], grad_tile[kStageTile];
     for (int64_t first = begin; first < end; first += kStageTile) {
       const int64_t n = std::min(kStageTile, end - first);
@@ -157,8 +231,8 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWKernelArgs& args,
       tile.exp_avg += first;
       tile.exp_avg_sq += first;
       if (kAmsgrad) tile.max_exp_avg_sq += first;
-      adamw_range<staged<P>, staged<G>, M, kAmsgrad, kWriteGrad>(tile, args, 0, n);
-      unstage_tile<P, G>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
+      adamw_range<staged_param<P, M>, staged<G>, M, kAmsgrad, kWriteGrad>(tile, args, 0, n);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     }
     return;
   }
@@ -174,14 +248,14 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWKernelArgs& args,
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdKernelArgs& args, int64_t begin,
                int64_t end) {
-  if constexpr (P != staged<P> || G != staged<G>) {
+  if constexpr (P != staged_param<P, M> || G != staged<G>) {
     float param_tile[kStageTile], grad_tile[kStageTile];
     for (int64_t first = begin; first < end; first += kStageTile) {
       const int64_t n = std::min(kStageTile, end - first);
       SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
       if (kHasMomentum) tile.momentum_buffer += first;
-      sgd_range<staged<P>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, args, 0, n);
-      unstage_tile<P, G>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
+      sgd_range<staged_param<P, M>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, args, 0, n);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     }
     return;
   }

@@ -105,7 +105,9 @@ FUSEDAMP_HOST_DEVICE uint16_t float_to_fp16(float value) {
   magnitude = float_from_bits((bias >> 1) + 0x07800000u) + magnitude;
   const uint32_t rounded = float_bits(magnitude);
   const uint32_t packed = ((rounded >> 13) & 0x7c00u) + (rounded & 0x0fffu);
-  return uint16_t((sign >> 16) | select_bits(doubled > 0xff000000u, 0x7e00u, packed));
+  // NaN: quiet, with the top of its payload, as the F16C conversion the x86 builds use does.
+  const uint32_t nan = 0x7e00u | ((bits >> 13) & 0x3ffu);
+  return uint16_t((sign >> 16) | select_bits(doubled > 0xff000000u, nan, packed));
 #endif
 }
 
