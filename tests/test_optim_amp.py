@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 import fusedamp
-import fusedamp.optim._common
+import fusedamp.optim._clipping
 from fusedamp.optim import FusedAdamW, FusedSGD
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -257,13 +257,13 @@ def test_infinite_max_grad_norm_measures_without_changing_the_step() -> None:
 
 def test_fusedamp_check_grads_is_the_only_read_pass(monkeypatch) -> None:
     calls: list[str] = []
-    real_check = fusedamp.optim._common.ops.check_and_norm_
+    real_check = fusedamp.optim._clipping.ops.check_and_norm_
 
     def check(*args: Any) -> None:
         calls.append("check_and_norm_")
         real_check(*args)
 
-    monkeypatch.setattr(fusedamp.optim._common.ops, "check_and_norm_", check)
+    monkeypatch.setattr(fusedamp.optim._clipping.ops, "check_and_norm_", check)
     params = make_params(torch.float16)
     opt = FusedAdamW(params, max_grad_norm=0.5)
     generator = torch.Generator().manual_seed(8)
@@ -308,8 +308,8 @@ def test_fusedamp_grad_scaler_makes_one_read_pass_and_one_step(monkeypatch) -> N
     grad_scaler = pytest.importorskip("fusedamp.grad_scaler")
     calls: list[str] = []
     for module, name in (
-        (fusedamp.optim._common.ops, "check_and_norm_"),
-        (fusedamp.optim._common.ops, "unscale_"),
+        (fusedamp.optim._clipping.ops, "check_and_norm_"),
+        (fusedamp.optim._clipping.ops, "unscale_"),
         (fusedamp.optim.adamw.ops, "adamw_"),
     ):
         monkeypatch.setattr(module, name, recorder(calls, name, getattr(module, name)))

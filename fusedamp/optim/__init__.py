@@ -4,7 +4,7 @@
 master weights for float16/bfloat16 params (or exact bf16 "remainder" masters).
 """
 
-from fusedamp.optim._common import join_bf16_remainder, split_bf16_remainder
+from fusedamp.optim._masters import join_bf16_remainder, split_bf16_remainder
 from fusedamp.optim.adamw import FusedAdamW
 from fusedamp.optim.sgd import FusedSGD
 

@@ -9,17 +9,9 @@ import torch
 from torch import Tensor
 
 from fusedamp import ops
-from fusedamp.optim._common import (
-    AmpScalars,
-    Bucket,
-    FusedOptimizer,
-    MasterWeights,
-    advance_steps,
-    check_lr,
-    lr_for_device,
-    native_grads,
-    torch_flags,
-)
+from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
+from fusedamp.optim._masters import MasterWeights
+from fusedamp.optim._step import AmpScalars, Bucket, advance_steps, lr_for_device, native_grads
 
 __all__ = ["FusedSGD"]
 

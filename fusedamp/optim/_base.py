@@ -1,4 +1,4 @@
-"""What FusedAdamW and FusedSGD share: master weights, grouping, AMP, clipping, state loading.
+"""The base class of FusedAdamW and FusedSGD: construction, state, grouping into buckets, the step.
 
 An optimizer step groups the params that have grads by (param group, device, param dtype,
 grad dtype) and makes one fused op call per bucket. Everything the step needs from AMP (the
@@ -10,6 +10,9 @@ a param with gaps (a strided slice) is stepped through a contiguous copy written
 step, and a grad stored in another order than its param through a copy in the param's order.
 Complex params are stepped as pairs of reals, as torch.optim does. float64 (and complex128)
 buckets, which the fused kernels do not take, run torch's own ops (:meth:`_step_native`).
+
+Master weights live in _masters.py, the per-bucket step pieces in _step.py, the read-only
+pass and clipping in _clipping.py.
 """
 
 from __future__ import annotations
@@ -17,131 +20,29 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from fusedamp import _dtensor, ops
-from fusedamp._layout import has_kernel, is_dense, like, real_view, same_order
+from fusedamp import _dtensor
+from fusedamp._layout import has_kernel, is_dense, like, real_view
+from fusedamp.optim._clipping import check_and_norm, clip_coefficient
+from fusedamp.optim._masters import (
+    HALF_DTYPES,
+    MASTER_KEY,
+    REMAINDER_KEY,
+    convert_master,
+    join_bf16_remainder,
+    master_key_for,
+    state_dtype,
+)
+from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts, on_device
 
-__all__ = [
-    "AmpScalars", "Bucket", "FusedOptimizer", "MasterWeights", "advance_steps", "check_lr",
-    "join_bf16_remainder", "lr_for_device", "native_grads", "split_bf16_remainder", "torch_flags",
-]
+__all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
-MasterWeights = bool | Literal["remainder"]
-
-# The state entries holding the fp32 value of a half param; at most one is present.
-MASTER_KEY = "master"
-REMAINDER_KEY = "master_remainder"
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_SUPPORTED_DTYPES = (torch.float32, *_HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
-
-# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
-_CLIP_EPS = 1e-6
-
-
-def split_bf16_remainder(master: Tensor) -> tuple[Tensor, Tensor]:
-    """Splits fp32 ``master`` into a bf16 param and an int16 remainder that rebuild it exactly
-    (a NaN master gives a NaN param), in ``master``'s memory format and on its device.
-
-    The rule is csrc/include/fusedamp/math/master.h's ([note: remainder encoding]), run by the
-    CPU op ``fusedamp::split_bf16_remainder``; tensors on other devices go through the CPU
-    (this runs once per param, when its master state is made).
-
-    >>> param, remainder = split_bf16_remainder(torch.tensor([1.0 + 2**-20]))
-    >>> join_bf16_remainder(param, remainder)
-    tensor([1.0000])
-    """
-    param, remainder = torch.ops.fusedamp.split_bf16_remainder(master.detach().cpu())
-    return param.to(master.device), remainder.to(master.device)
-
-
-def join_bf16_remainder(param: Tensor, remainder: Tensor) -> Tensor:
-    """The fp32 master that a bf16 ``param`` and its int16 ``remainder`` encode (a new tensor on
-    ``param``'s device, in its memory format).
-
-    >>> join_bf16_remainder(torch.ones(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int16))
-    tensor([1., 1.])
-    """
-    master = torch.ops.fusedamp.join_bf16_remainder(param.detach().cpu(), remainder.cpu())
-    return master.to(param.device)
-
-
-def _master_key(mode: MasterWeights, dtype: torch.dtype) -> str | None:
-    if dtype not in _HALF_DTYPES or mode is False:
-        return None
-    return REMAINDER_KEY if mode == "remainder" else MASTER_KEY
-
-
-def _state_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a param's moments: float32 for float32/float16/bfloat16 params (the fused
-    kernels' math), the param's own for float64 and complex params, as torch.optim keeps them."""
-    return torch.float32 if param_dtype in (torch.float32, *_HALF_DTYPES) else param_dtype
-
-
-def _on(tensor: Tensor | None, device: torch.device) -> Tensor | None:
-    if tensor is None or tensor.device == device:
-        return tensor
-    # A CPU kernel reads its scalars on the host at once, so a copy to the CPU must be complete.
-    return tensor.to(device, non_blocking=device.type != "cpu")
-
-
-def lr_for_device(lr: float | Tensor, device: torch.device) -> float | Tensor:
-    """A tensor lr as the op takes it: float32, on the CPU (read on the host) or on ``device``."""
-    if not isinstance(lr, Tensor):
-        return lr
-    if lr.device.type != "cpu" and lr.device != device:
-        lr = lr.to(device)
-    return lr if lr.dtype == torch.float32 else lr.float()
-
-
-@dataclass
-class Bucket:
-    """The params of one op call: same group, device, param dtype and grad dtype.
-
-    ``params`` and ``grads`` are what the kernels walk: dense, in the same element order, complex
-    ones as real views. ``write_backs`` pairs each user tensor that could not be handed over
-    as it is with the copy the step updates; ``grad_write_backs`` does so for grads, copied back
-    only when the step writes the grads it used.
-    """
-
-    group: dict[str, Any]
-    device: torch.device
-    master_key: str | None
-    state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
-    native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
-    complex: bool  # complex params: the kernels get the real views of params, grads and moments
-    params: list[Tensor] = field(default_factory=list)
-    grads: list[Tensor] = field(default_factory=list)
-    states: list[dict[str, Any]] = field(default_factory=list)
-    write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    grad_write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-
-    def state_list(self, key: str) -> list[Tensor]:
-        if self.complex:
-            return [real_view(state[key]) for state in self.states]
-        return [state[key] for state in self.states]
-
-    def masters(self) -> list[Tensor]:
-        return [] if self.master_key is None else self.state_list(self.master_key)
-
-
-@dataclass
-class AmpScalars:
-    """The device tensors that turn a plain step into an AMP step (None: not used)."""
-
-    inv_grad_scale: Tensor | None
-    found_inf: Tensor | None
-    clip_coef: Tensor | None
-
-    def writes_grads(self, write_unscaled_grads: bool) -> bool:
-        """Whether a step writes the grads it used back (csrc/common/inputs.h step_writes_grad)."""
-        return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
+_SUPPORTED_DTYPES = (torch.float32, *HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
 
 
 def torch_flags(
@@ -154,30 +55,6 @@ def torch_flags(
     if fused and foreach:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     return {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
-
-
-def native_grads(bucket: Bucket, scalars: AmpScalars) -> list[Tensor]:
-    """The grads of a bucket without a fused kernel, unscaled and clipped as torch would do it
-    (multiplied by inv_grad_scale, then by clip_coef); written back into the grads when the step
-    writes grads, as fusedamp's kernels do."""
-    grads = bucket.grads
-    write = scalars.writes_grads(bucket.group["write_unscaled_grads"])
-    for multiplier in (scalars.inv_grad_scale, scalars.clip_coef):
-        if multiplier is None:
-            continue
-        if write:
-            torch._foreach_mul_(grads, multiplier)
-        else:
-            grads = torch._foreach_mul(grads, multiplier)
-    return grads
-
-
-def advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
-    """steps += 1 unless found_inf is set ([note: found_inf]), on the device, without a sync."""
-    if found_inf is None:
-        torch._foreach_add_(steps, 1.0)
-    else:
-        torch._foreach_add_(steps, (found_inf == 0).float())
 
 
 def check_lr(lr: float | Tensor) -> None:
@@ -297,7 +174,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         kernels step); ``state`` holds the entries made before it."""
         if key == "step":
             return torch.zeros((), dtype=torch.float32, device=param.device)
-        return torch.zeros_like(param, dtype=_state_dtype(param.dtype))
+        return torch.zeros_like(param, dtype=state_dtype(param.dtype))
 
     def _state_of(self, param: Tensor, bucket: Bucket, work_param: Tensor) -> dict[str, Any]:
         """The state of ``param``, made like ``work_param`` (a DTensor's local shard, or the
@@ -310,7 +187,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
             master_key == REMAINDER_KEY
         ):
-            _convert_master(work_param, state, master_key)
+            convert_master(work_param, state, master_key)
         return state
 
     def master_of(self, param: Tensor) -> Tensor:
@@ -349,7 +226,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 if key == "step":
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=param.device)
                 elif isinstance(value, Tensor):
-                    dtype = torch.int16 if key == REMAINDER_KEY else _state_dtype(param.dtype)
+                    dtype = torch.int16 if key == REMAINDER_KEY else state_dtype(param.dtype)
                     if key == MASTER_KEY:
                         dtype = torch.float32
                     value = value.detach()
@@ -388,8 +265,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             scalars = per_device.get(bucket.device)
             if scalars is None:
                 scalars = AmpScalars(
-                    _on(inv_scale, bucket.device), _on(found_inf, bucket.device),
-                    _on(clip_coef, bucket.device),
+                    on_device(inv_scale, bucket.device), on_device(found_inf, bucket.device),
+                    on_device(clip_coef, bucket.device),
                 )
                 per_device[bucket.device] = scalars
             (self._step_native if bucket.native else self._step_bucket)(bucket, scalars)
@@ -417,7 +294,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             key = (id(group), param.device, param.dtype, grad.dtype)
             bucket = buckets.get(key)
             if bucket is None:
-                master_key = _master_key(group["master_weights"], param.dtype)
+                master_key = master_key_for(group["master_weights"], param.dtype)
                 state_keys = ("step", *self._moment_keys(group))
                 bucket = buckets[key] = Bucket(
                     group, param.device, master_key, state_keys, native=not has_kernel(param.dtype),
@@ -428,7 +305,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             work_grad = _dtensor.local(grad)
             # The common case, both contiguous, needs no further look at the layouts.
             if not (work_param.is_contiguous() and work_grad.is_contiguous()):
-                work_param, work_grad = _kernel_layouts(bucket, work_param, work_grad)
+                work_param, work_grad = kernel_layouts(bucket, work_param, work_grad)
             if bucket.complex:
                 bucket.params.append(real_view(work_param))
                 bucket.grads.append(real_view(work_grad))
@@ -443,7 +320,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _fusedamp_check_grads(self, inv_scale: Tensor) -> dict[torch.device, Tensor]:
         """The one read-only pass over the grads that fusedamp.GradScaler.step() runs.
 
-        Returns a fresh float32 found_inf per device (> 0: some grad is inf/NaN). With
+        Returns a fresh float32 found_inf per device (not 0: some grad is inf/NaN). With
         ``max_grad_norm`` set, the same pass also takes the norm of the unscaled grads
         (``grad * inv_scale``), and the next step() clips with it instead of reading the
         grads again.
@@ -456,78 +333,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _check_and_norm(
         self, inv_scale: Tensor | None
     ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
-        """found_inf and, with clipping on, the sum of squares of the unscaled grads per device.
-
-        found_inf is this rank's (GradScaler combines the ranks'). The sums of DTensor grads
-        are summed over the ranks of their meshes, so that the norm is the global norm; plain
-        grads next to them count once, as replicated params do.
-        """
-        grads: dict[torch.device, list[Tensor]] = {}
-        sharded: dict[torch.device, list[Tensor]] = {}
-        for _, param, grad in self._grads():
-            (sharded if _dtensor.is_dtensor(grad) else grads).setdefault(param.device, []).append(grad)
-        found: dict[torch.device, Tensor] = {}
-        sums: dict[torch.device, Tensor] = {}
-        for device in [*grads, *(device for device in sharded if device not in grads)]:
-            found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            if self.max_grad_norm is not None:
-                sums[device] = torch.zeros((), dtype=torch.float32, device=device)
-            device_inv_scale = _on(inv_scale, device)
-            if device in sharded:
-                sharded_sum = None
-                if self.max_grad_norm is not None:
-                    sharded_sum = torch.zeros((), dtype=torch.float32, device=device)
-                local_grads = [_dtensor.local(grad) for grad in sharded[device]]
-                ops.check_and_norm_(local_grads, found[device], sharded_sum, device_inv_scale)
-                if sharded_sum is not None:
-                    _dtensor.all_reduce_sum_(sharded_sum, _dtensor.meshes_of(sharded[device]))
-                    sums[device] += sharded_sum
-            if device in grads:
-                ops.check_and_norm_(grads[device], found[device], sums.get(device), device_inv_scale)
-        return found, sums
+        grads = ((grad, param.device) for _, param, grad in self._grads())
+        return check_and_norm(grads, inv_scale, self.max_grad_norm is not None)
 
     def _clip_coef(self, sums: dict[torch.device, Tensor]) -> Tensor:
-        """min(1, max_grad_norm / (norm + 1e-6)) on the first grad's device; sets last_grad_norm."""
+        """The clip coefficient of ``sums`` (see clip_coefficient); sets last_grad_norm."""
         assert self.max_grad_norm is not None
-        devices = list(sums)
-        total = sums[devices[0]].clone()
-        for device in devices[1:]:
-            total += _on(sums[device], devices[0])
-        self.last_grad_norm = total.sqrt_()
-        return (self.max_grad_norm / (self.last_grad_norm + _CLIP_EPS)).clamp_(max=1.0)
-
-
-def _kernel_layouts(bucket: Bucket, param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """The param and grad the kernels walk side by side: the param itself when it is dense
-    (else a contiguous copy, written back after the step), the grad itself when it is dense in
-    the param's element order (else a copy in that order, written back when the step writes
-    grads). Records the write-backs in ``bucket``."""
-    if not is_dense(param):
-        work_param = param.detach().contiguous()
-        bucket.write_backs.append((param, work_param))
-        param = work_param
-    if not (is_dense(grad) and same_order(grad, param)):
-        work_grad = like(grad, param)
-        bucket.grad_write_backs.append((grad, work_grad))
-        grad = work_grad
-    return param, grad
-
-
-def _convert_master(param: Tensor, state: dict[str, Any], master_key: str | None) -> None:
-    """Makes ``master_key`` the only master entry of ``state``, keeping the fp32 value.
-
-    Used when a state has no master yet (a fresh param, a torch.optim state_dict) or one of the
-    other kind (master_weights changed); a remainder's param is rewritten so the pair is exact.
-    """
-    if MASTER_KEY in state:
-        master = state.pop(MASTER_KEY)
-    elif REMAINDER_KEY in state:
-        master = join_bf16_remainder(param, state.pop(REMAINDER_KEY))
-    else:
-        master = param.detach().float()
-    if master_key == MASTER_KEY:
-        state[MASTER_KEY] = master
-    elif master_key == REMAINDER_KEY:
-        high, remainder = split_bf16_remainder(master)
-        param.copy_(high)
-        state[REMAINDER_KEY] = remainder
+        coef, self.last_grad_norm = clip_coefficient(sums, self.max_grad_norm)
+        return coef

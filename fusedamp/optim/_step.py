@@ -1,0 +1,114 @@
+"""What one bucket's step needs besides the op: the bucket itself, the AMP scalars, the layouts the
+kernels walk, and torch's ops for the dtypes the kernels do not take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusedamp._layout import is_dense, like, real_view, same_order
+
+
+def on_device(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    if tensor is None or tensor.device == device:
+        return tensor
+    # A CPU kernel reads its scalars on the host at once, so a copy to the CPU must be complete.
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
+def lr_for_device(lr: float | Tensor, device: torch.device) -> float | Tensor:
+    """A tensor lr as the op takes it: float32, on the CPU (read on the host) or on ``device``."""
+    if not isinstance(lr, Tensor):
+        return lr
+    if lr.device.type != "cpu" and lr.device != device:
+        lr = lr.to(device)
+    return lr if lr.dtype == torch.float32 else lr.float()
+
+
+@dataclass
+class Bucket:
+    """The params of one op call: same group, device, param dtype and grad dtype.
+
+    ``params`` and ``grads`` are what the kernels walk: dense, in the same element order, complex
+    ones as real views. ``write_backs`` pairs each user tensor that could not be handed over
+    as it is with the copy the step updates; ``grad_write_backs`` does so for grads, copied back
+    only when the step writes the grads it used.
+    """
+
+    group: dict[str, Any]
+    device: torch.device
+    master_key: str | None
+    state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
+    native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
+    complex: bool  # complex params: the kernels get the real views of params, grads and moments
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Any]] = field(default_factory=list)
+    write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    grad_write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def state_list(self, key: str) -> list[Tensor]:
+        if self.complex:
+            return [real_view(state[key]) for state in self.states]
+        return [state[key] for state in self.states]
+
+    def masters(self) -> list[Tensor]:
+        return [] if self.master_key is None else self.state_list(self.master_key)
+
+
+@dataclass
+class AmpScalars:
+    """The device tensors that turn a plain step into an AMP step (None: not used)."""
+
+    inv_grad_scale: Tensor | None
+    found_inf: Tensor | None
+    clip_coef: Tensor | None
+
+    def writes_grads(self, write_unscaled_grads: bool) -> bool:
+        """Whether a step writes the grads it used back (csrc/common/inputs.h step_writes_grad)."""
+        return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
+
+
+def native_grads(bucket: Bucket, scalars: AmpScalars) -> list[Tensor]:
+    """The grads of a bucket without a fused kernel, unscaled and clipped as torch would do it
+    (multiplied by inv_grad_scale, then by clip_coef); written back into the grads when the step
+    writes grads, as fusedamp's kernels do."""
+    grads = bucket.grads
+    write = scalars.writes_grads(bucket.group["write_unscaled_grads"])
+    for multiplier in (scalars.inv_grad_scale, scalars.clip_coef):
+        if multiplier is None:
+            continue
+        if write:
+            torch._foreach_mul_(grads, multiplier)
+        else:
+            grads = torch._foreach_mul(grads, multiplier)
+    return grads
+
+
+def advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
+    """steps += 1 unless found_inf is set ([note: found_inf]), on the device, without a sync."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        torch._foreach_add_(steps, (found_inf == 0).float())
+
+
+def kernel_layouts(bucket: Bucket, param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The param and grad the kernels walk side by side: the param itself when it is dense
+    (else a contiguous copy, written back after the step), the grad itself when it is dense in
+    the param's element order (else a copy in that order, written back when the step writes
+    grads). Records the write-backs in ``bucket``."""
+    if not is_dense(param):
+        work_param = param.detach().contiguous()
+        bucket.write_backs.append((param, work_param))
+        param = work_param
+    if not (is_dense(grad) and same_order(grad, param)):
+        work_grad = like(grad, param)
+        bucket.grad_write_backs.append((grad, work_grad))
+        grad = work_grad
+    return param, grad
+
+
