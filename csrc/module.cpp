@@ -1,6 +1,6 @@
-// The Python module fusedamp._C: importing it registers the ops; it also exposes build facts
-// and test hooks that are not tensor ops (CPU ISA selection, the launch planner, the GEMM
-// kernel choice and the GEMM kernels' index math).
+// The Python module fusedamp._C: importing it registers the ops; it also exposes run-time
+// settings (CPU ISA, GEMM backend) and build facts, and in _C.testing the test hooks (the
+// launch planner, the kernel dispatch, the GEMM kernel choice and the GEMM index math).
 #include <torch/extension.h>
 
 #include "common/gemm.h"
@@ -181,24 +181,27 @@ PYBIND11_MODULE(_C, m) {
         "The CPU kernel build in use: avx512, avx2 or baseline.");
   m.def("set_cpu_isa", &fusedamp::cpu::set_kernels_isa, py::arg("isa"),
         "Switch the CPU kernels to avx512, avx2 or baseline; returns the previous choice.");
-  m.def("plan_launches", &plan_launches_for_test, py::arg("numels"), py::arg("chunk_size"),
-        py::arg("max_tensors"), py::arg("max_blocks"),
-        "The multi-tensor launch plan as (launch, slot, tensor, chunk) per block.");
   m.def("gemm_backend", &fusedamp::gemm::backend_name,
         "The CUDA gemm backend: reference, auto, mma_sync or wgmma.");
   m.def("set_gemm_backend", &fusedamp::gemm::set_backend, py::arg("name"),
         "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
-  def_gemm_tile_hooks(m);
-  m.def("locate_chunks", &locate_chunks_for_test, py::arg("numels"), py::arg("chunk_size"),
-        py::arg("max_tensors"), py::arg("max_blocks"),
-        "Each block's work as the CUDA kernels find it: (launch, slot, tensor, begin, count).");
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
-  m.def("dispatch_for_test", &dispatch_for_test, py::arg("param_dtype"), py::arg("master_kind"),
-        "The 'param/master' kernel dispatch.h picks for raw DType and MasterKind values.");
 #ifdef FUSEDAMP_WITH_CUDA
   m.attr("cuda_compiled") = true;
 #else
   m.attr("cuda_compiled") = false;
 #endif
+
+  // Host evaluations of kernel internals for the tests; not part of the library's surface.
+  py::module_ testing = m.def_submodule("testing", "Test hooks: kernel index math on the host.");
+  testing.def("plan_launches", &plan_launches_for_test, py::arg("numels"), py::arg("chunk_size"),
+              py::arg("max_tensors"), py::arg("max_blocks"),
+              "The multi-tensor launch plan as (launch, slot, tensor, chunk) per block.");
+  testing.def("locate_chunks", &locate_chunks_for_test, py::arg("numels"), py::arg("chunk_size"),
+              py::arg("max_tensors"), py::arg("max_blocks"),
+              "Each block's work as the CUDA kernels find it: (launch, slot, tensor, begin, count).");
+  testing.def("dispatch_for_test", &dispatch_for_test, py::arg("param_dtype"), py::arg("master_kind"),
+              "The 'param/master' kernel dispatch.h picks for raw DType and MasterKind values.");
+  def_gemm_tile_hooks(testing);
 }

@@ -27,7 +27,7 @@ def test_cpu_ops_run_on_every_torch_thread() -> None:
     ("param_dtype", "master_kind", "picked"), [(0, 0, "0/0"), (1, 1, "1/1"), (2, 2, "2/2"), (2, 1, "2/1")]
 )
 def test_dispatch_picks_the_kernel_of_each_valid_combination(param_dtype, master_kind, picked) -> None:
-    assert _C.dispatch_for_test(param_dtype, master_kind) == picked
+    assert _C.testing.dispatch_for_test(param_dtype, master_kind) == picked
 
 
 @pytest.mark.parametrize(
@@ -41,4 +41,4 @@ def test_dispatch_picks_the_kernel_of_each_valid_combination(param_dtype, master
 )
 def test_dispatch_fails_loudly_instead_of_running_nothing(param_dtype, master_kind, message) -> None:
     with pytest.raises(RuntimeError, match=message):
-        _C.dispatch_for_test(param_dtype, master_kind)
+        _C.testing.dispatch_for_test(param_dtype, master_kind)

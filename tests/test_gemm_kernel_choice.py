@@ -1,5 +1,5 @@
 """The CUDA gemm's kernel choice (csrc/common/gemm.cpp choose_kernel), on the host through
-_C.gemm_choose_kernel: every backend against every device / build / problem combination,
+_C.testing.gemm_choose_kernel: every backend against every device / build / problem combination,
 including devices this build has no code for (an 8.0-only build on Hopper, 8.0;9.0a on sm_100)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ V100 = (70, False, False)
 
 def choose(backend: str, device: tuple[int, bool, bool], fits: bool = True, wgmma_fits: bool = True):
     cc, mma_sync_code, wgmma_code = device
-    return _C.gemm_choose_kernel(backend, cc, mma_sync_code, wgmma_code, fits, wgmma_fits)
+    return _C.testing.gemm_choose_kernel(backend, cc, mma_sync_code, wgmma_code, fits, wgmma_fits)
 
 
 @pytest.mark.parametrize(

@@ -13,21 +13,21 @@ import torch.nn.functional as F
 
 from fusedamp import _C
 
-SM80 = _C.gemm_tiles()["sm80"]
-SM90 = _C.gemm_tiles()["sm90"]
+SM80 = _C.testing.gemm_tiles()["sm80"]
+SM90 = _C.testing.gemm_tiles()["sm90"]
 ODD_SHAPES = [(1, 1, 1), (7, 9, 13), (129, 65, 63), (257, 383, 100), (1000, 129, 4097)]
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n", [(1, 1), (3, 5), (9, 2), (17, 31), (64, 64)])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_tile_schedule_is_a_bijection(tiles_m, tiles_n, group):
-    tiles = _C.gemm_tile_schedule(tiles_m, tiles_n, group)
+    tiles = _C.testing.gemm_tile_schedule(tiles_m, tiles_n, group)
     assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
 
 
 @pytest.mark.parametrize("chunks_per_row,rows", [(4, 128), (16, 32)])
 def test_sm80_swizzle_is_a_conflict_free_permutation(chunks_per_row, rows):
-    offsets = _C.gemm_swizzle(chunks_per_row, rows)
+    offsets = _C.testing.gemm_swizzle(chunks_per_row, rows)
     assert sorted(offsets) == list(range(0, rows * chunks_per_row * 16, 16))
     for index, offset in enumerate(offsets):  # a chunk stays in its row
         assert offset // (chunks_per_row * 16) == index // chunks_per_row
@@ -42,7 +42,7 @@ def test_sm80_swizzle_is_a_conflict_free_permutation(chunks_per_row, rows):
 
 
 def test_swizzle_128b_is_a_permutation_within_rows():
-    offsets = _C.gemm_swizzle_128b(8 * 1024)
+    offsets = _C.testing.gemm_swizzle_128b(8 * 1024)
     assert sorted(offsets) == list(range(0, 8 * 1024, 16))
     assert all(o // 128 == i * 16 // 128 for i, o in enumerate(offsets))
     # Column chunk c of 8 consecutive rows lands in 8 different bank groups.
@@ -78,10 +78,10 @@ def test_ldmatrix_a_feeds_the_mma_a_fragment(k_major):
     # A 16 (m) x 16 (k) block at (m0, k0) of a (BLK_M, BLK_K) K-major or (BLK_K, BLK_M) tile.
     m0, k0 = 16, 16
     stored = _encode(*((128, 32) if k_major else (32, 128)))
-    lanes = _C.gemm_ldmatrix_lanes("a", k_major)
+    lanes = _C.testing.gemm_ldmatrix_lanes("a", k_major)
     row0, chunk0 = (m0, k0 // 8) if k_major else (k0, m0 // 8)
     regs = _ldmatrix(stored, lanes, row0, chunk0, trans=not k_major)
-    want = _C.gemm_mma_elements("a")
+    want = _C.testing.gemm_mma_elements("a")
     for lane in range(32):
         got = [v for pair in regs[lane] for v in pair]
         exp = []
@@ -94,10 +94,10 @@ def test_ldmatrix_a_feeds_the_mma_a_fragment(k_major):
 def test_ldmatrix_b_feeds_two_mma_b_fragments(k_major):
     n0, k0 = 32, 16
     stored = _encode(*((128, 32) if k_major else (32, 128)))
-    lanes = _C.gemm_ldmatrix_lanes("b", k_major)
+    lanes = _C.testing.gemm_ldmatrix_lanes("b", k_major)
     row0, chunk0 = (n0, k0 // 8) if k_major else (k0, n0 // 8)
     regs = _ldmatrix(stored, lanes, row0, chunk0, trans=not k_major)
-    want = _C.gemm_mma_elements("b")
+    want = _C.testing.gemm_mma_elements("b")
     for lane in range(32):
         for block in range(2):  # registers (0, 1) -> n-block 0, (2, 3) -> n-block 1
             got = [v for pair in regs[lane][2 * block : 2 * block + 2] for v in pair]
@@ -110,7 +110,7 @@ def test_ldmatrix_b_feeds_two_mma_b_fragments(k_major):
 
 def test_mma_fragments_cover_their_blocks_once():
     for operand, shape in (("a", (16, 16)), ("b", (16, 8)), ("c", (16, 8))):
-        coords = [c for lane in _C.gemm_mma_elements(operand) for c in lane]
+        coords = [c for lane in _C.testing.gemm_mma_elements(operand) for c in lane]
         assert sorted(coords) == [(r, c) for r in range(shape[0]) for c in range(shape[1])]
 
 
@@ -118,7 +118,7 @@ def test_mma_fragments_compute_a_matrix_product():
     """Per-lane fragments of the spec, multiplied as mma.m16n8k16 does, give A @ B."""
     a = torch.randn(16, 16, dtype=torch.float64)
     b = torch.randn(16, 8, dtype=torch.float64)
-    fa, fb, fc = (_C.gemm_mma_elements(x) for x in "abc")
+    fa, fb, fc = (_C.testing.gemm_mma_elements(x) for x in "abc")
     d = torch.zeros(16, 8, dtype=torch.float64)
     for lane in range(32):
         for m, n in fc[lane]:
@@ -131,17 +131,17 @@ def test_mma_fragments_compute_a_matrix_product():
 def test_sm80_tile_copy_covers_each_chunk_once(chunks_per_row, rows):
     threads = SM80[3]
     rounds = rows * chunks_per_row // threads
-    chunks = _C.gemm_copy_chunks(threads, rounds, chunks_per_row)
+    chunks = _C.testing.gemm_copy_chunks(threads, rounds, chunks_per_row)
     assert sorted(chunks) == [(r, c) for r in range(rows) for c in range(chunks_per_row)]
 
 
 @pytest.mark.parametrize("m,n,k", ODD_SHAPES)
 def test_sm80_outputs_are_written_once(m, n, k):
     block_m, block_n, _, _ = SM80
-    per_block = _C.gemm_sm80_accumulators()
+    per_block = _C.testing.gemm_sm80_accumulators()
     assert sorted(per_block) == [(r, c) for r in range(block_m) for c in range(block_n)]
     written = Counter()
-    for tm, tn in _C.gemm_tile_schedule(math.ceil(m / block_m), math.ceil(n / block_n), 8):
+    for tm, tn in _C.testing.gemm_tile_schedule(math.ceil(m / block_m), math.ceil(n / block_n), 8):
         for r, c in per_block:
             row, col = tm * block_m + r, tn * block_n + c
             if row < m and col < n:
@@ -152,9 +152,9 @@ def test_sm80_outputs_are_written_once(m, n, k):
 @pytest.mark.parametrize("m,n,k", ODD_SHAPES)
 def test_sm90_outputs_are_written_once(m, n, k):
     block_m, block_n, _, _ = SM90
-    slice_coords = _C.gemm_wgmma_accumulators()
+    slice_coords = _C.testing.gemm_wgmma_accumulators()
     assert sorted(slice_coords) == [(r, c) for r in range(64) for c in range(block_n)]
-    tiles = _C.gemm_tile_schedule(math.ceil(m / block_m), math.ceil(n / block_n), 8)
+    tiles = _C.testing.gemm_tile_schedule(math.ceil(m / block_m), math.ceil(n / block_n), 8)
     covered = torch.zeros(m, n, dtype=torch.int32)
     for tm, tn in tiles:
         for consumer in range(block_m // 64):
@@ -173,24 +173,24 @@ def test_sm80_k_is_read_once_and_the_tail_is_zero_filled(m, n, k, k_major):
     loaded = Counter()
     for kk in range(math.ceil(k / block_k) * block_k):
         if k_major:
-            valid_bytes = _C.gemm_chunk_bytes(0, kk - kk % 8, 1, k)
+            valid_bytes = _C.testing.gemm_chunk_bytes(0, kk - kk % 8, 1, k)
             is_loaded = (kk % 8) * 2 < valid_bytes
         else:
-            is_loaded = _C.gemm_chunk_bytes(kk, 0, k, 8) == 16
+            is_loaded = _C.testing.gemm_chunk_bytes(kk, 0, k, 8) == 16
         if is_loaded:
             loaded[kk] += 1
     assert sorted(loaded) == list(range(k)) and set(loaded.values()) == {1}
 
 
 def test_chunk_bytes_clips_rows_and_columns():
-    assert _C.gemm_chunk_bytes(0, 0, 1, 100) == 16
-    assert _C.gemm_chunk_bytes(0, 96, 1, 100) == 8
-    assert _C.gemm_chunk_bytes(0, 104, 1, 100) == 0
-    assert _C.gemm_chunk_bytes(1, 0, 1, 100) == 0
+    assert _C.testing.gemm_chunk_bytes(0, 0, 1, 100) == 16
+    assert _C.testing.gemm_chunk_bytes(0, 96, 1, 100) == 8
+    assert _C.testing.gemm_chunk_bytes(0, 104, 1, 100) == 0
+    assert _C.testing.gemm_chunk_bytes(1, 0, 1, 100) == 0
 
 
 def test_wgmma_descriptor_fields():
-    desc = _C.gemm_wgmma_descriptor(0x1_2340, 8192, 1024)
+    desc = _C.testing.gemm_wgmma_descriptor(0x1_2340, 8192, 1024)
     assert desc & 0x3FFF == 0x1_2340 >> 4
     assert (desc >> 16) & 0x3FFF == 8192 >> 4
     assert (desc >> 32) & 0x3FFF == 1024 >> 4
@@ -203,5 +203,5 @@ def test_wgmma_descriptor_fields():
 ])
 def test_epilogue_activation_matches_torch(activation, reference):
     z = torch.linspace(-8, 8, 1001)
-    got = torch.tensor(_C.gemm_activation(z.tolist(), activation))
+    got = torch.tensor(_C.testing.gemm_activation(z.tolist(), activation))
     torch.testing.assert_close(got, reference(z), rtol=1e-6, atol=1e-6)

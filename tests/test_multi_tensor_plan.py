@@ -25,7 +25,7 @@ def expected_chunks(numels: list[int], chunk_size: int) -> Counter[tuple[int, in
 
 def check_plan(numels: list[int], chunk_size: int, max_tensors: int, max_blocks: int) -> list:
     """Asserts every property of the plan and of the blocks' own view of it; returns the plan."""
-    blocks = _C.plan_launches(numels, chunk_size, max_tensors, max_blocks)
+    blocks = _C.testing.plan_launches(numels, chunk_size, max_tensors, max_blocks)
 
     # Every chunk of every non-empty tensor exactly once, in list order; nothing else.
     assert Counter((tensor, chunk) for _, _, tensor, chunk in blocks) == expected_chunks(numels, chunk_size)
@@ -47,7 +47,7 @@ def check_plan(numels: list[int], chunk_size: int, max_tensors: int, max_blocks:
         assert all(slot_tensor[slot] == tensor for slot, tensor, _ in launch_blocks)
 
     # What each block finds with locate_chunk is the plan's chunk, as element offsets.
-    located = _C.locate_chunks(numels, chunk_size, max_tensors, max_blocks)
+    located = _C.testing.locate_chunks(numels, chunk_size, max_tensors, max_blocks)
     assert len(located) == len(blocks)
     for (launch, slot, tensor, chunk), where in zip(blocks, located, strict=True):
         begin = chunk * chunk_size
@@ -99,7 +99,7 @@ def test_tensor_larger_than_2_pow_31_elements_uses_64_bit_chunks() -> None:
         blocks = check_plan(numels, chunk_size, 4, max_blocks)
         last_of_big = max(chunk for _, _, tensor, chunk in blocks if tensor == 1)
         assert last_of_big == big // chunk_size
-    located = _C.locate_chunks(numels, chunk_size, 4, GRID_LIMIT)
+    located = _C.testing.locate_chunks(numels, chunk_size, 4, GRID_LIMIT)
     big_chunks = [(begin, count) for _, _, tensor, begin, count in located if tensor == 1]
     assert big_chunks[-1] == (2**31, 1000)
     huge_chunks = [(begin, count) for _, _, tensor, begin, count in located if tensor == 3]
