@@ -8,8 +8,10 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import settings
 
+import fusedamp
 from fusedamp import _C
 
 settings.register_profile("ci", derandomize=True)
@@ -30,6 +32,12 @@ def _supported(isa: str) -> bool:
 
 
 SUPPORTED_CPU_ISAS = tuple(isa for isa in ALL_CPU_ISAS if _supported(isa))
+
+# For tests that run fusedamp's CUDA kernels (import it: `from conftest import needs_cuda`).
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fusedamp.build_info()["cuda_compiled"]),
+    reason="needs a GPU and fusedamp's CUDA kernels",
+)
 
 
 @pytest.fixture(params=ALL_CPU_ISAS)

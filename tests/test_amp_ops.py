@@ -7,15 +7,11 @@ import random
 
 import pytest
 import torch
+from conftest import needs_cuda
 
-import fusedamp
 from fusedamp import ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fusedamp.build_info()["cuda_compiled"]),
-    reason="needs a GPU and fusedamp's CUDA kernels",
-)
 # Lists of tensor sizes: one element, an odd size, more than two CPU chunks (2^15 elements
 # each), an empty list, a zero-element tensor among others, and many tensors of odd sizes.
 SIZE_LISTS = {

@@ -10,16 +10,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from conftest import needs_cuda
 from torch import nn
 
-import fusedamp
 from fusedamp import ops
 from fusedamp.grad_scaler import GradScaler
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fusedamp.build_info()["cuda_compiled"]),
-    reason="needs a GPU and fusedamp's CUDA kernels",
-)
 NON_FINITE = (math.inf, -math.inf, math.nan)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import needs_cuda
 from torch import Tensor
 
 import fusedamp.optim.adamw
@@ -391,10 +392,6 @@ def test_step_returns_the_closure_loss() -> None:
 
 # --- CUDA (runs on a GPU machine) ------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and fusedamp.build_info()["cuda_compiled"]),
-    reason="needs a GPU and fusedamp's CUDA kernels",
-)
 
 
 @needs_cuda
