@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fusedamp.demo as demo
-from fusedamp.data import synthetic_fashion_mnist
-from fusedamp.models import build_model, resnet18, resnet50
+from fusedamp.demo.data import synthetic_fashion_mnist
+from fusedamp.demo.models import build_model, resnet18, resnet50
 
 TINY = ["--train-size", "192", "--test-size", "64", "--batch-size", "32", "--epochs", "1",
         "--width", "4", "--diag-every", "2", "--device", "cpu"]

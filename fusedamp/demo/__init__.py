@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from fusedamp import diagnostics
-from fusedamp.data import (
+from fusedamp.demo.data import (
     CLASSES,
     FashionMNIST,
     Split,
@@ -49,7 +49,7 @@ from fusedamp.data import (
     load_fashion_mnist,
     synthetic_fashion_mnist,
 )
-from fusedamp.models import MODELS, build_model
+from fusedamp.demo.models import MODELS, build_model
 from fusedamp.precision import half_model
 
 __all__ = ["MODES", "ModeResult", "classification_metrics", "run_mode", "main", "plot_results"]
@@ -539,6 +539,3 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         print(f"plot written to {args.plot}")
     return results
 
-
-if __name__ == "__main__":
-    main()

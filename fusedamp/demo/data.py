@@ -62,7 +62,7 @@ class IDXFormatError(ValueError):
 
     >>> raise IDXFormatError("labels.idx: truncated header")
     Traceback (most recent call last):
-    fusedamp.data.IDXFormatError: labels.idx: truncated header
+    fusedamp.demo.data.IDXFormatError: labels.idx: truncated header
     """
 
 
