@@ -1,5 +1,5 @@
-"""`python -m fusedamp.demo`: the demo's command line (see fusedamp/demo/__init__.py)."""
+"""`python -m fusedamp.demo`: runs the demo (see fusedamp/demo/__init__.py)."""
 
-from fusedamp.demo import main
+from fusedamp.demo.cli import main
 
 main()
