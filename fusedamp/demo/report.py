@@ -73,10 +73,10 @@ def seed_comparison(results: list[ModeResult], full_epochs: int, full_samples: i
 
     def training_time(r: ModeResult) -> str:
         text = f"{sum(r.epoch_times):,.1f} s"
-        if len(r.epoch_times) < full_epochs or r.samples_per_epoch < full_samples:
+        trained = sum(r.block_samples)
+        if trained < full_epochs * full_samples:
             full = full_epochs * full_samples / r.samples_per_s
-            text += (f" for {len(r.epoch_times)} epochs of {r.samples_per_epoch:,} samples "
-                     f"(~{full:,.0f} s for {full_epochs} epochs of {full_samples:,})")
+            text += f" for {trained:,} samples (~{full:,.0f} s for {full_epochs} epochs of {full_samples:,})"
         return text
 
     def each(rows: list[ModeResult], text: Callable[[ModeResult], str]) -> str:

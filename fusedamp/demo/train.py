@@ -77,8 +77,10 @@ class ModeResult:
 
     @property
     def time_per_epoch(self) -> float:
-        """The median epoch time: one epoch slowed by a shared machine's load does not move it."""
-        return statistics.median(self.epoch_times) if self.epoch_times else 0.0
+        """An epoch's samples at the median rate (:attr:`samples_per_s`): unlike the raw
+        ``epoch_times``, a block slowed by a shared machine's load does not move it."""
+        rate = self.samples_per_s
+        return self.samples_per_epoch / rate if rate else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -392,6 +394,7 @@ class ModeRun:
 
     def start_epoch(self, train: Split, samples: int, epochs: int, stream: Any = None) -> None:
         """Begins an epoch over the first ``samples`` samples of a fresh shuffle of ``train``."""
+        self.samples_per_epoch = samples
         self._epoch_loader = batches(train, self.batch_size, device=self.device, shuffle=True,
                                      generator=self.order, drop_last=True)
         self._epoch_seconds = 0.0
@@ -415,9 +418,9 @@ class ModeRun:
                               self._losses[-1].item(), self._scale())
 
     def end_epoch(self, test: Split) -> None:
-        """Closes the epoch: records its time, tests, prints its line."""
+        """Closes the epoch (cut short when the time budget ran out): records its time, tests,
+        prints its line."""
         self.epoch_times.append(self._epoch_seconds)
-        self.samples_per_epoch = self._epoch_done
         self.metrics = self.evaluate(test)
         self.epoch_accuracy.append(self.metrics["accuracy"])
         self._progress.finish(self._epoch_done, self._epoch_done / self._epoch_seconds,
@@ -467,9 +470,10 @@ def run_modes(modes: list[str], data: FashionMNIST, config: RunConfig, device: t
     """Trains every mode in ``modes`` for ``config.epochs`` epochs, taking turns block by block
     (see the module docstring), and tests each after every epoch.
 
-    ``deadline`` (a ``time.perf_counter()`` value) stops the run before an epoch that, as long
-    as the last one took, would end after it: a time budget then holds even when the machine
-    gets slower than the warm-up measured.
+    ``deadline`` (a ``time.perf_counter()`` value) stops the run before a round of blocks that,
+    as long as the last round and the last tests took, would end after it; the epoch under way
+    is then tested as it stands. A time budget so holds even when the machine gets slower than
+    the warm-up measured.
 
     >>> import io
     >>> from fusedamp.demo.data import synthetic_fashion_mnist
@@ -483,21 +487,35 @@ def run_modes(modes: list[str], data: FashionMNIST, config: RunConfig, device: t
     meter = MemoryMeter(device)
     runs = [ModeRun(mode, config, device, dtype) for mode in modes]
     out = stream or sys.stdout
+    last_round = last_tests = 0.0
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() + last_round + last_tests > deadline
+
     for epoch in range(config.epochs):
-        epoch_start = time.perf_counter()
+        if epoch and out_of_time():
+            out.write(f"time budget: stopping after {epoch} of {config.epochs} epochs (the machine is "
+                      "slower than the warm-up measured)\n")
+            break
         for run in runs:
             run.start_epoch(data.train, samples, config.epochs, stream)
+        done = 0
         for block in blocks:
+            if done and out_of_time():
+                break
+            round_start = time.perf_counter()
             for run in runs:
                 in_use = meter.begin()
                 run.train_block(block)
                 run.most_added_bytes = max(run.most_added_bytes, meter.added_since(in_use))
+            last_round = time.perf_counter() - round_start
+            done += 1
+        tests_start = time.perf_counter()
         for run in runs:
             run.end_epoch(data.test)
-        last_epoch = time.perf_counter() - epoch_start
-        if deadline is not None and epoch + 1 < config.epochs and time.perf_counter() + last_epoch > deadline:
-            out.write(f"time budget: stopping after {epoch + 1} of {config.epochs} epochs (one more takes "
-                      f"~{last_epoch:.0f} s, more than is left: the machine is slower than the warm-up "
-                      "measured)\n")
+        last_tests = time.perf_counter() - tests_start
+        if done < len(blocks):
+            out.write(f"time budget: stopping in epoch {epoch + 1} of {config.epochs} after {done} of "
+                      f"{len(blocks)} blocks (the machine is slower than the warm-up measured)\n")
             break
     return [run.result(meter.baseline + run.state_bytes() + run.most_added_bytes) for run in runs]
