@@ -330,12 +330,33 @@ def test_warm_up_measures_every_mode():
     data = synthetic_fashion_mnist(128, 64)
     config = train.RunConfig(width=4, batch_size=64, accumulate=2, diag_every=0)
     speeds = budget.measure(["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16,
-                            cheap=60.0)
+                            cheap=60.0, deadline=time.perf_counter() + 60.0)
     assert list(speeds) == ["fp32", "fusedamp-o2"]
     assert all(0 < s.train < 1 and 0 < s.test < 1 for s in speeds.values())
+    late = budget.measure(["fp32"], data, config, torch.device("cpu"), torch.bfloat16, cheap=60.0,
+                          deadline=time.perf_counter())
+    assert late == {}
 
 
-def avx2_speeds(modes, data, config, device, dtype, cheap):
+def test_warm_up_repeats_only_cheap_runs():
+    sizes = []
+
+    def work(size):  # 0.1 ms per sample
+        sizes.append(size)
+        time.sleep(size * 1e-4)
+        return size
+
+    assert budget._seconds_per_sample(work, 128, cheap=10.0) >= 1e-4
+    assert sizes == [32, 32, 128, 128]  # set-up run, probe, and the full size twice
+    sizes.clear()
+    budget._seconds_per_sample(work, 128, cheap=0.006)  # a probe run costs ~3 ms, a full one ~13 ms
+    assert sizes == [32, 32]
+    sizes.clear()
+    assert budget._seconds_per_sample(work, 128, cheap=0.001) >= 1e-4  # one probe, too slow to repeat
+    assert sizes == [32]
+
+
+def avx2_speeds(modes, data, config, device, dtype, cheap, deadline):
     # What the warm-up measures on an AVX2-only CPU: AMP 12x slower than fp32.
     return {mode: budget.Speed(1e-3 if mode == "fp32" else 12e-3, 1e-4) for mode in modes}
 
@@ -363,6 +384,13 @@ def test_explicit_epochs_are_exact_under_a_budget(monkeypatch, capsys):
                         "--modes", "fp32,torch-amp"])
     assert "for the 2 epochs asked for" in capsys.readouterr().out and len(results) == 2
     assert all(len(r.epoch_times) == 2 and r.samples_per_epoch == 32 for r in results)
+
+
+def test_demo_stops_when_the_warm_up_runs_out_of_time(monkeypatch, capsys):
+    monkeypatch.setattr(budget, "measure", lambda *args, **kwargs: {"fp32": budget.Speed(1e-3, 1e-4)})
+    tiny_budget = [a for a in TINY if a not in ("--epochs", "1")]
+    assert cli.main([*tiny_budget, "--modes", "fp32,torch-amp", "--time-budget", "20"]) == []
+    assert "before measuring torch-amp: not training" in capsys.readouterr().out
 
 
 def test_demo_refuses_a_run_that_cannot_fit(monkeypatch, capsys):

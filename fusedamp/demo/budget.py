@@ -45,34 +45,37 @@ class Plan:
 
 
 def _timed(work: Callable[[int], int], size: int) -> float:
-    """Seconds per sample of ``work(size)``, which returns the samples it handled: the faster
-    of two runs, as the first pays one-time set-up (kernel selection, caches for new shapes)
-    and a shared machine's load may hit either."""
-    seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        samples = work(size)
-        seconds.append((time.perf_counter() - start) / samples)
-    return min(seconds)
+    """Seconds per sample of one run of ``work(size)``, which returns the samples it handled."""
+    start = time.perf_counter()
+    samples = work(size)
+    return (time.perf_counter() - start) / samples
 
 
 def _seconds_per_sample(work: Callable[[int], int], full: int, cheap: float) -> float:
-    """Times ``work`` at size ``min(PROBE, full)``, then, when size ``full`` looks cheaper than
-    ``cheap`` seconds, at ``full``. Otherwise the probe stands: small batches cost more per
-    sample, so it errs on the long side."""
+    """Times ``work`` at size ``min(PROBE, full)``, then, while a run looks cheaper than
+    ``cheap`` seconds, again (the first run pays one-time set-up: kernel selection, caches for
+    new shapes) and twice at size ``full``, keeping the fastest run of the largest size (a
+    shared machine's load may hit any run). A run too slow to repeat stands as it is: it errs
+    on the long side, as small batches cost more per sample."""
     probe = min(PROBE, full)
     seconds = _timed(work, probe)
+    if seconds * probe > cheap:
+        return seconds
+    seconds = min(seconds, _timed(work, probe))
     if probe == full or seconds * full > cheap:
         return seconds
-    return _timed(work, full)
+    return min(_timed(work, full), _timed(work, full))
 
 
 def measure(modes: list[str], data: FashionMNIST, config: RunConfig, device: torch.device,
-            dtype: torch.dtype, cheap: float) -> dict[str, Speed]:
-    """Each mode's :class:`Speed`, from a few steps and test batches on a throwaway model;
-    a measurement at full size is taken only when it costs less than ``cheap`` seconds."""
+            dtype: torch.dtype, cheap: float, deadline: float) -> dict[str, Speed]:
+    """Each mode's :class:`Speed`, from a few steps and test batches on a throwaway model (see
+    :func:`_seconds_per_sample` for ``cheap``). Modes not begun by ``deadline`` (a
+    ``time.perf_counter()`` value) are left out: the warm-up alone must not spend the budget."""
     speeds = {}
     for mode in modes:
+        if time.perf_counter() > deadline:
+            break
         run = ModeRun(mode, config, device, dtype)
         micro_batches = list(itertools.islice(batches(data.train, run.batch_size, device=device),
                                               config.accumulate))

@@ -24,6 +24,8 @@ DEFAULT_TIME_BUDGET = 120.0
 # A warm-up measurement at full batch size is taken when it costs less than this share of the
 # budget; a smaller probe stands in otherwise.
 CHEAP_SHARE = 0.02
+# Modes the warm-up has not begun when this share of the time left is spent go unmeasured.
+WARM_UP_SHARE = 0.5
 # The plan fills this share of the time left: building the models, preparing the batches and
 # a machine that slows down are not in its estimate (on the dev machine the training ran
 # ~20% slower than the warm-up's best steps).
@@ -208,12 +210,19 @@ def _fit_to_budget(modes: list[str], data: FashionMNIST, config: RunConfig, devi
                    dtype: torch.dtype, seconds: float, deadline: float, epochs_fixed: bool,
                    preset: Preset | None) -> budgets.Plan | dict[str, budgets.Speed]:
     """Measures the modes and sizes the run (changes ``config`` and ``data.test``); returns the
-    plan, or the measured speeds when not even the smallest run fits (with ``epochs_fixed``,
-    the smallest run with those epochs goes ahead regardless)."""
+    plan, or the speeds measured when the warm-up ran out of time or not even the smallest run
+    fits (with ``epochs_fixed``, the smallest run with those epochs goes ahead regardless)."""
     started = time.perf_counter()
-    speeds = budgets.measure(modes, data, config, device, dtype, cheap=CHEAP_SHARE * seconds)
+    speeds = budgets.measure(modes, data, config, device, dtype, cheap=CHEAP_SHARE * seconds,
+                             deadline=started + WARM_UP_SHARE * (deadline - started))
     rates = ", ".join(f"{mode} {1 / speed.train:,.0f}" for mode, speed in speeds.items())
     print(f"warm-up ({time.perf_counter() - started:.1f} s), training samples/s: {rates}")
+    if len(speeds) < len(modes):
+        print(f"the warm-up took over half of the {seconds:g} s budget before measuring "
+              f"{', '.join(mode for mode in modes if mode not in speeds)}: not training. Give it more "
+              "time (--time-budget SECONDS; 0: none), fewer or smaller modes (--modes, --width, "
+              "--batch-size), or --epochs N to run regardless.")
+        return speeds
     full_samples = config.epoch_samples(modes, len(data.train))
     full = budgets.estimate_seconds(speeds, config.epochs, full_samples, len(data.test))
     left = PLAN_SHARE * (deadline - time.perf_counter())
@@ -293,7 +302,8 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         if not isinstance(fitted, budgets.Plan):
             baseline = fitted.get("fp32")
             amp = next((mode for mode in modes if mode != "fp32"), None)
-            speedup = baseline.train / fitted[amp].train if baseline and amp else None
+            measured = fitted.get(amp) if amp else None
+            speedup = baseline.train / measured.train if baseline and measured else None
             _print_hardware_advice(hardware, dtype_name, amp and f"{amp} (in the warm-up)", speedup)
             return []
         plan = fitted
