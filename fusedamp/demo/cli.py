@@ -21,8 +21,8 @@ __all__ = ["DEFAULT_TIME_BUDGET", "PRESETS", "Preset", "main"]
 # Seconds for everything after start-up: with it `make demo` ends within 3 minutes on a
 # 2-core machine, AVX2-only CPUs included (measured: see README).
 DEFAULT_TIME_BUDGET = 120.0
-# A warm-up measurement at full batch size is taken when it costs less than this share of the
-# budget; a smaller probe stands in otherwise.
+# A warm-up run is repeated, and one at full batch size taken, only while a run costs less than
+# this share of the budget; otherwise a single small probe stands in (see budget.measure).
 CHEAP_SHARE = 0.02
 # Modes the warm-up has not begun when this share of the time left is spent go unmeasured.
 WARM_UP_SHARE = 0.5
