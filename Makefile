@@ -19,8 +19,11 @@ $(VENV)/.deps-installed: $(PY)
 setup: $(VENV)/.deps-installed
 
 # Incremental (ninja) in-place build; the lock keeps concurrent builds from clobbering _C.so.
+# Then a .pth file puts this checkout on the venv's sys.path, so fusedamp imports from any
+# folder and under torchrun, without the second compile an install would cost.
 build: setup
 	flock .build.lock $(PY) setup.py --quiet build_ext --inplace
+	$(PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "fusedamp-checkout.pth").write_text("$(CURDIR)\n")'
 
 test: build
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from fusedamp.data import (
+from fusedamp.demo.data import (
     CLASSES,
     FILES,
     MEAN,

@@ -1,20 +1,41 @@
 """The demo end to end at tiny size in every mode, its metrics, table, JSON and plot; the
-ResNets; and the benchmark runner (python -m benchmarks) on generated benchmark modules."""
+hardware note, the time budget, the modes' turns and the seed preset; the ResNets; and the
+benchmark runner (python -m benchmarks) on generated benchmark modules."""
 
 import importlib.util
+import io
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-import fusedamp.demo as demo
-from fusedamp.data import synthetic_fashion_mnist
-from fusedamp.models import build_model, resnet18, resnet50
+from fusedamp.demo import budget, cli, hardware, report, train
+from fusedamp.demo.data import synthetic_fashion_mnist
+from fusedamp.demo.models import build_model, resnet18, resnet50
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--train-size", "192", "--test-size", "64", "--batch-size", "32", "--epochs", "1",
         "--width", "4", "--diag-every", "2", "--device", "cpu"]
 FUSEDAMP_MODES = ["fusedamp", "fusedamp-o2"]
+# An AVX2-only CPU as the detector would describe it (no bf16/fp16 instructions, oneDNN without bf16).
+AVX2_CPU = hardware.describe_cpu("AMD EPYC (AVX2 only)", {"avx", "avx2", "fma"}, "AVX2",
+                                 {"bf16": False, "fp16": False}, None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models train as fast on one thread, and a busy 2-core machine then cannot stall
+    every op at the thread pool's barrier (with two threads these tests ran 10x longer there)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def reference_metrics(predictions, targets, num_classes):
@@ -39,7 +60,7 @@ def test_classification_metrics_match_a_plain_reference():
     predictions = torch.where(torch.rand(300, generator=generator) < 0.6, targets,
                               torch.randint(0, 5, (300,), generator=generator))  # class 5 under-predicted
     predictions[predictions == 4] = 3  # class 4 never predicted: precision 0 by convention
-    got = demo.classification_metrics(predictions, targets, 6)
+    got = train.classification_metrics(predictions, targets, 6)
     expected = reference_metrics(predictions.tolist(), targets.tolist(), 6)
     assert got == pytest.approx(expected)
 
@@ -63,7 +84,7 @@ def test_resnet18_layout():
 
 def run_demo(tmp_path, *extra):
     json_path = tmp_path / "results.json"
-    results = demo.main([*TINY, "--json", str(json_path), *extra])
+    results = cli.main([*TINY, "--json", str(json_path), *extra])
     return results, json.loads(json_path.read_text())
 
 
@@ -72,6 +93,7 @@ def test_demo_end_to_end(tmp_path, capsys, modes):
     results, saved = run_demo(tmp_path, "--modes", modes)
     out = capsys.readouterr().out
     assert "synthetic" in out and "NOT FashionMNIST" in out
+    assert "hardware: " in out and "no time budget (--epochs given)" in out
     assert [r.mode for r in results] == modes.split(",")
     assert "time/epoch" in out and "final scale" in out
     for result, stored in zip(results, saved["results"], strict=True):
@@ -80,23 +102,63 @@ def test_demo_end_to_end(tmp_path, capsys, modes):
         assert 0.0 <= result.accuracy <= 1.0 and result.peak_memory_bytes > 0
         assert [step for step, _ in result.underflow] == [0, 2, 4]
         assert f"{result.mode:<12} epoch 1/1" in out
+        assert result.block_samples == [32] * 6  # 6 steps of 32, one per turn
+        assert stored["samples_per_s"] == pytest.approx(result.samples_per_s) and result.samples_per_s > 0
         if result.mode == "fp32":
             assert result.scales == [] and result.skipped_steps is None
         else:
             assert len(result.scales) == len(result.losses) and result.final_scale == result.scales[-1]
             assert result.skipped_steps == 0 and result.final_scale == 65536.0
     assert saved["synthetic_data"] is True and saved["train_size"] == 192
+    assert saved["time_budget"] is None and set(saved["hardware"]["native"]) == {"bf16", "fp16"}
 
 
 def test_demo_modes_learn_the_same_thing():
-    # Same weights, same batches: after a few steps fp32 and AMP losses agree closely.
+    # Same weights, same batches, whatever the turns: after a few steps fp32 and AMP losses agree closely.
     data = synthetic_fashion_mnist(256, 64)
-    config = demo.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
+    config = train.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
     modes = ["fp32", "torch-amp", *FUSEDAMP_MODES]
-    results = [demo.run_mode(mode, data, config, torch.device("cpu"), torch.bfloat16) for mode in modes]
+    results = train.run_modes(modes, data, config, torch.device("cpu"), torch.bfloat16, io.StringIO())
     for result in results[1:]:
         assert result.losses[0] == pytest.approx(results[0].losses[0], rel=0.05)
         assert result.losses[-1] == pytest.approx(results[0].losses[-1], rel=0.2)
+    # The same run without the others: taking turns changes nothing in a mode's training.
+    alone = train.run_modes(["torch-amp"], data, config, torch.device("cpu"), torch.bfloat16, io.StringIO())
+    assert alone[0].losses == results[1].losses
+
+
+def test_modes_take_turns_block_by_block():
+    data = synthetic_fashion_mnist(320, 32)
+    config = train.RunConfig(width=4, epochs=2, batch_size=32, diag_every=0)
+    out = io.StringIO()
+    results = train.run_modes(["fp32", "torch-amp"], data, config, torch.device("cpu"), torch.bfloat16, out)
+    # 10 steps per epoch in 8 blocks, the same for both modes, twice.
+    blocks = [32, 32, 64, 32, 32, 64, 32, 32]
+    assert [r.block_samples for r in results] == [blocks * 2] * 2
+    assert all(sum(r.block_times[:8]) == pytest.approx(r.epoch_times[0]) for r in results)
+    speedups = results[1].speedups_vs(results[0])
+    assert len(speedups) == 16
+    assert speedups == pytest.approx([f / a for f, a in zip(results[0].block_times, results[1].block_times,
+                                                            strict=True)])
+    lines = [line.split()[:3] for line in out.getvalue().splitlines()]
+    assert lines == [["fp32", "epoch", "1/2"], ["torch-amp", "epoch", "1/2"],
+                     ["fp32", "epoch", "2/2"], ["torch-amp", "epoch", "2/2"]]
+
+
+def test_peak_memory_counts_each_modes_own_state():
+    data = synthetic_fashion_mnist(64, 16)
+    config = train.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
+    run = train.ModeRun("fp32", config, torch.device("cpu"), torch.bfloat16)
+    images, labels = next(iter(train.batches(data.train, 32)))
+    run.micro_batch(images, labels)
+    model = run.recipe.model
+    params = sum(p.numel() * 4 for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    steps = sum(s["step"].numel() * s["step"].element_size() for s in run.recipe.optimizer.state.values())
+    assert run.state_bytes() == 3 * params + buffers + steps  # weights, exp_avg, exp_avg_sq
+    results = train.run_modes(["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16,
+                              io.StringIO())
+    assert all(r.peak_memory_bytes >= 3 * params for r in results)
 
 
 def test_demo_accumulate_steps_once_per_group(tmp_path):
@@ -104,7 +166,7 @@ def test_demo_accumulate_steps_once_per_group(tmp_path):
     assert [len(r.losses) for r in results] == [3, 3]
     assert saved["config"]["accumulate"] == 2
     with pytest.raises(ValueError, match="no full step"):
-        demo.main([*TINY, "--modes", "fp32", "--accumulate", "7"])
+        cli.main([*TINY, "--modes", "fp32", "--accumulate", "7"])
 
 
 def test_demo_plot_written(tmp_path):
@@ -115,30 +177,295 @@ def test_demo_plot_written(tmp_path):
 
 
 def test_demo_plot_without_matplotlib_says_so(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "_have_matplotlib", lambda: False)
+    monkeypatch.setattr(cli, "_have_matplotlib", lambda: False)
     with pytest.raises(SystemExit):
-        demo.main([*TINY, "--plot", "x.png"])
+        cli.main([*TINY, "--plot", "x.png"])
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--modes", "fp32,fp8"], "unknown modes"),
     (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--amp-batch-size", "0"], "--amp-batch-size must be at least 1"),
+    (["--time-budget", "-1"], "--time-budget must be at least 0"),
+    (["--preset", "nope"], "invalid choice: 'nope'"),
 ])
 def test_demo_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
-        demo.main(argv)
+        cli.main(argv)
     assert message in capsys.readouterr().err
 
 
 def test_results_table_speedups_against_fp32():
-    fp32 = demo.ModeResult("fp32", epoch_times=[4.0], accuracy=0.9)
-    amp = demo.ModeResult("torch-amp", epoch_times=[2.0], skipped_steps=1, final_scale=32768.0,
-                          underflow=[(0, 0.25), (10, 0.15)])
-    table = demo.results_table([fp32, amp]).splitlines()
-    assert table[0].split()[:4] == ["mode", "time/epoch", "samples/s", "speedup"]
-    assert "1.00x" in table[2] and "2.00x" in table[3]
-    assert "20.00%" in table[3] and table[3].rstrip().endswith("32768")
+    fp32 = report.ModeResult("fp32", epoch_times=[4.0], block_samples=[64, 64, 64],
+                             block_times=[1.0, 2.0, 1.0], accuracy=0.9)
+    amp = report.ModeResult("torch-amp", epoch_times=[2.0], block_samples=[64, 64, 64],
+                            block_times=[0.5, 0.5, 1.0], skipped_steps=1, final_scale=32768.0,
+                            underflow=[(0, 0.25), (10, 0.15)])
+    table = report.results_table([fp32, amp]).splitlines()
+    assert table[0].split()[:6] == ["mode", "batch", "time/epoch", "samples/s", "speedup", "[min-max]"]
+    # Per block 1/0.5, 2/0.5, 1/1: median 2, range 1 to 4; samples/s the median block's 64/0.5.
+    assert "1.00x [1.00-1.00]" in table[2] and "2.00x [1.00-4.00]" in table[3]
+    assert " 128 " in table[3] and "20.00%" in table[3] and table[3].rstrip().endswith("32768")
+
+
+def test_demo_stays_out_of_the_library():
+    # `import fusedamp` is the library alone; `python -m fusedamp.demo` still runs.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    check = "import sys, fusedamp; assert not [m for m in sys.modules if m.startswith('fusedamp.demo')]"
+    subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, check=True)
+    helped = subprocess.run([sys.executable, "-m", "fusedamp.demo", "--help"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, check=True)
+    assert "--time-budget SECONDS" in helped.stdout and "--preset {seed}" in helped.stdout
+
+
+# ------------------------------------------------------------------------------- hardware
+
+def test_cpu_without_bf16_instructions_is_not_native():
+    assert AVX2_CPU.native == {"bf16": False, "fp16": False}
+    assert AVX2_CPU.reasons["bf16"] == "no AVX512-BF16, AMX-BF16 or Arm BF16 instructions"
+    assert "bf16 NOT native" in AVX2_CPU.summary() and "torch CPU kernels AVX2" in AVX2_CPU.summary()
+
+
+@pytest.mark.parametrize("flags, onednn, cap, native, reason", [
+    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, None, True, "AVX512-BF16"),
+    ({"amx_bf16", "amx_tile"}, {"bf16": True, "fp16": True}, None, True, "AMX-BF16"),
+    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, "avx2", False,
+     "AVX512-BF16, but oneDNN is capped at avx2"),
+    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, "AVX512_CORE_AMX", True, "AVX512-BF16"),
+    ({"avx512f", "avx512_bf16"}, {"bf16": False, "fp16": False}, None, False,
+     "AVX512-BF16, but oneDNN reports no bf16 support"),
+    ({"avx512f", "avx512_bf16"}, {"bf16": None, "fp16": None}, None, True, "AVX512-BF16"),  # torch silent
+    ({"avx512f", "avx512bw"}, {"bf16": True, "fp16": False}, None, False,  # AVX-512 emulation only
+     "no AVX512-BF16, AMX-BF16 or Arm BF16 instructions"),
+])
+def test_cpu_bf16_verdicts(flags, onednn, cap, native, reason):
+    cpu = hardware.describe_cpu("cpu", flags, "AVX512", onednn, cap)
+    assert cpu.native["bf16"] is native and cpu.reasons["bf16"] == reason
+
+
+@pytest.mark.parametrize("capability, native", [
+    ((6, 1), {"bf16": False, "fp16": False}), ((7, 5), {"bf16": False, "fp16": True}),
+    ((8, 0), {"bf16": True, "fp16": True}), ((9, 0), {"bf16": True, "fp16": True}),
+])
+def test_gpu_tensor_cores_by_compute_capability(capability, native):
+    gpu = hardware.describe_cuda("GPU", capability)
+    assert gpu.native == native
+    assert f"compute capability {capability[0]}.{capability[1]}" in gpu.summary()
+
+
+def test_detect_reads_this_cpu(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    flags, _ = hardware._cpu_flags_and_name()
+    cpu = hardware.detect(torch.device("cpu"))
+    assert cpu.device_type == "cpu" and set(cpu.native) == {"bf16", "fp16"}
+    if not {"avx512_bf16", "amx_bf16", "bf16"} & flags:
+        assert not cpu.native["bf16"]
+    if hardware._guarded(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported()) and \
+            {"avx512_bf16", "amx_bf16"} & flags:
+        assert cpu.native["bf16"]
+    # What an AVX2-only machine reports, from the facts detect() gathers.
+    monkeypatch.setattr(hardware, "_cpu_flags_and_name", lambda: ({"avx2", "fma"}, "Old CPU"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    old = hardware.detect(torch.device("cpu"))
+    assert old.name == "Old CPU" and old.native == {"bf16": False, "fp16": False}
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in old.facts
+
+
+def test_advice_explains_a_cpu_without_bf16():
+    lines = hardware.advice(AVX2_CPU, "bf16", 0.08, "torch-amp")
+    assert lines[0].startswith("This CPU has no native bf16 arithmetic (no AVX512-BF16")
+    assert "so AMP is slower here: torch-amp ran at 0.08x the speed of fp32" in lines[0]
+    assert "on a GPU with Tensor Cores" in lines[1] and "2.36x" in lines[1]
+    native = hardware.describe_cpu("cpu", {"avx512_bf16"}, "AVX512", {"bf16": True, "fp16": False}, None)
+    assert hardware.advice(native, "bf16", 1.7, "fusedamp") == [
+        "This CPU computes bf16 natively (AVX512-BF16): fusedamp ran 1.70x as fast as fp32 here."]
+    assert "did not pay off" in hardware.advice(native, "bf16", 0.9)[1]
+    assert "--dtype fp16" in hardware.advice(hardware.describe_cuda("T4", (7, 5)), "bf16", 0.9)[-1]
+
+
+def test_demo_on_a_cpu_without_bf16_says_why_amp_is_slower(monkeypatch, capsys):
+    monkeypatch.setattr(hardware, "detect", lambda device: AVX2_CPU)
+    cli.main([*TINY, "--modes", "fp32,torch-amp"])
+    out = capsys.readouterr().out
+    assert "hardware: AMD EPYC (AVX2 only) [torch CPU kernels AVX2]: bf16 NOT native" in out
+    assert "This CPU has no native bf16 arithmetic" in out and "on a GPU with Tensor Cores" in out
+
+
+# ---------------------------------------------------------------------------- time budget
+
+def test_plan_keeps_the_full_run_when_it_fits():
+    speeds = {"fp32": budget.Speed(1e-4, 1e-5), "torch-amp": budget.Speed(1e-4, 1e-5)}
+    plan = budget.plan_run(speeds, 100.0, 3, 12000, 2000, 128, False)
+    assert plan == budget.Plan(3, 12000, 2000, budget.estimate_seconds(speeds, 3, 12000, 2000))
+    assert plan.seconds == pytest.approx(3 * (12000 * 2e-4 + 2000 * 2e-5))
+
+
+@pytest.mark.parametrize("seconds, epochs", [(20.0, 1), (60.0, 2), (120.0, 3)])
+def test_plan_shrinks_an_avx2_run_into_the_budget(seconds, epochs):
+    # An AVX2-only CPU: bf16 autocast ~12x slower than fp32 (the issue's 2-core EPYC: 300 vs 26 samples/s).
+    fp32, amp = budget.Speed(1 / 300, 1 / 900), budget.Speed(1 / 26, 1 / 80)
+    speeds = {"fp32": fp32, "torch-amp": amp, "fusedamp": amp, "fusedamp-o2": amp}
+    plan = budget.plan_run(speeds, seconds, 3, 11904, 2000, 128, False)
+    assert plan.seconds <= seconds and plan.train_samples % 128 == 0 and plan.train_samples >= 128
+    assert budget.MIN_TEST <= plan.test_samples < 2000
+    assert plan.seconds == budget.estimate_seconds(speeds, plan.epochs, plan.train_samples, plan.test_samples)
+    # Not wasteful: one more step per epoch would not fit.
+    bigger = budget.estimate_seconds(speeds, plan.epochs, plan.train_samples + 128, plan.test_samples)
+    assert bigger > seconds
+    assert plan.epochs == epochs  # fewer epochs only when not even one step each fits
+
+
+def test_plan_with_fixed_epochs_and_the_smallest_run():
+    slow = {"fp32": budget.Speed(0.1, 0.01)}
+    fixed = budget.plan_run(slow, 10.0, 5, 12800, 1000, 128, True)
+    assert fixed.epochs == 5 and fixed.train_samples == 128 and fixed.seconds > 10.0
+    smallest = budget.plan_run(slow, 10.0, 5, 12800, 1000, 128, False)
+    assert (smallest.epochs, smallest.train_samples, smallest.test_samples) == (1, 128, 100)
+    assert smallest.seconds == pytest.approx(128 * 0.1 + 100 * 0.01) and smallest.seconds > 10.0
+
+
+def test_warm_up_measures_every_mode():
+    data = synthetic_fashion_mnist(128, 64)
+    config = train.RunConfig(width=4, batch_size=64, accumulate=2, diag_every=0)
+    speeds = budget.measure(["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16,
+                            cheap=60.0, deadline=time.perf_counter() + 60.0)
+    assert list(speeds) == ["fp32", "fusedamp-o2"]
+    assert all(0 < s.train < 1 and 0 < s.test < 1 for s in speeds.values())
+    late = budget.measure(["fp32"], data, config, torch.device("cpu"), torch.bfloat16, cheap=60.0,
+                          deadline=time.perf_counter())
+    assert late == {}
+
+
+def test_warm_up_repeats_only_cheap_runs():
+    sizes = []
+
+    def work(size):  # 0.1 ms per sample
+        sizes.append(size)
+        time.sleep(size * 1e-4)
+        return size
+
+    assert budget._seconds_per_sample(work, 128, cheap=10.0) >= 1e-4
+    assert sizes == [32, 32, 128, 128]  # set-up run, probe, and the full size twice
+    sizes.clear()
+    budget._seconds_per_sample(work, 128, cheap=0.006)  # a probe run costs ~3 ms, a full one ~13 ms
+    assert sizes == [32, 32]
+    sizes.clear()
+    assert budget._seconds_per_sample(work, 128, cheap=0.001) >= 1e-4  # one probe, too slow to repeat
+    assert sizes == [32]
+
+
+def avx2_speeds(modes, data, config, device, dtype, cheap, deadline):
+    # What the warm-up measures on an AVX2-only CPU: AMP 12x slower than fp32.
+    return {mode: budget.Speed(1e-3 if mode == "fp32" else 12e-3, 1e-4) for mode in modes}
+
+
+def test_demo_fits_a_slow_amp_into_the_budget(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(budget, "measure", avx2_speeds)
+    tiny_budget = [a for a in TINY if a not in ("--epochs", "1")]
+    argv = [*tiny_budget, "--train-size", "1024", "--time-budget", "12", "--json", str(tmp_path / "r.json")]
+    results = cli.main(argv)
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    # 0.75 x the ~11 s left, over 3 epochs at 1 + 3 x 12 ms per sample of the 4 modes: ~64 samples each.
+    plan = saved["plan"]
+    assert plan["epochs"] == 3 and plan["train_samples"] < 1024 and plan["train_samples"] % 32 == 0
+    assert plan["seconds"] <= cli.PLAN_SHARE * 12
+    assert "chosen to fit" in out and f"3 epochs of {plan['train_samples']:,} samples" in out
+    # Three epochs unless a busy machine made the deadline stop the run early, for every mode alike.
+    assert all(r.samples_per_epoch == plan["train_samples"] for r in results)
+    assert len({len(r.epoch_times) for r in results}) == 1 and 1 <= len(results[0].epoch_times) <= 3
+
+
+def test_explicit_epochs_are_exact_under_a_budget(monkeypatch, capsys):
+    monkeypatch.setattr(budget, "measure", avx2_speeds)
+    results = cli.main([*TINY, "--epochs", "2", "--train-size", "1024", "--time-budget", "1",
+                        "--modes", "fp32,torch-amp"])
+    assert "for the 2 epochs asked for" in capsys.readouterr().out and len(results) == 2
+    assert all(len(r.epoch_times) == 2 and r.samples_per_epoch == 32 for r in results)
+
+
+def test_demo_stops_when_the_warm_up_runs_out_of_time(monkeypatch, capsys):
+    monkeypatch.setattr(budget, "measure", lambda *args, **kwargs: {"fp32": budget.Speed(1e-3, 1e-4)})
+    tiny_budget = [a for a in TINY if a not in ("--epochs", "1")]
+    assert cli.main([*tiny_budget, "--modes", "fp32,torch-amp", "--time-budget", "20"]) == []
+    assert "before measuring torch-amp: not training" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_run_that_cannot_fit(monkeypatch, capsys):
+    monkeypatch.setattr(budget, "measure", lambda *args, **kwargs: {
+        "fp32": budget.Speed(1.0, 0.1), "torch-amp": budget.Speed(12.0, 1.0)})
+    tiny_budget = [a for a in TINY if a not in ("--epochs", "1")]
+    assert cli.main([*tiny_budget, "--modes", "fp32,torch-amp", "--time-budget", "20"]) == []
+    out = capsys.readouterr().out
+    assert "even the smallest run (1 epoch of 32 samples" in out and "not training" in out
+    assert "torch-amp (in the warm-up) " in out and "0.08x" in out
+
+
+def test_deadline_stops_before_a_round_that_cannot_end_in_time():
+    data = synthetic_fashion_mnist(64, 16)
+    config = train.RunConfig(width=4, epochs=3, batch_size=32, diag_every=0)
+    out = io.StringIO()
+    results = train.run_modes(["fp32", "torch-amp"], data, config, torch.device("cpu"), torch.bfloat16,
+                              out, deadline=time.perf_counter())
+    # One round of blocks always runs; the epoch under way is then tested as it stands.
+    for result in results:
+        assert result.block_samples == [32] and len(result.epoch_times) == 1 and result.epoch_accuracy
+        assert result.samples_per_epoch == 64 and result.time_per_epoch == pytest.approx(
+            64 / result.samples_per_s)
+    assert "time budget: stopping in epoch 1 of 3 after 1 of 2 blocks" in out.getvalue()
+    assert "fp32         epoch 1/3 [############------------]     32/64" in out.getvalue()
+
+
+@pytest.mark.parametrize("argv, cuda, expected", [
+    ([], False, cli.DEFAULT_TIME_BUDGET), ([], True, cli.DEFAULT_TIME_BUDGET),
+    (["--epochs", "2"], False, None), (["--time-budget", "0"], False, None),
+    (["--time-budget", "50", "--epochs", "2"], False, 50.0),
+    (["--preset", "seed"], False, cli.DEFAULT_TIME_BUDGET), (["--preset", "seed"], True, None),
+])
+def test_when_the_budget_applies(argv, cuda, expected):
+    assert cli._time_budget(cli._parse_args(argv), cuda)[0] == expected
+
+
+# ------------------------------------------------------------------------------ seed preset
+
+def test_seed_preset_settings_and_overrides():
+    seed = cli._config(cli._parse_args(["--preset", "seed"]), cli.PRESETS["seed"], on_cuda=False)
+    assert (seed.model, seed.width, seed.epochs, seed.batch_size, seed.amp_batch_size) == \
+        ("resnet50", 64, 10, 128, 256)
+    assert seed.batch_size_of("fp32") == 128 and seed.batch_size_of("torch-amp") == 256
+    assert cli._parse_args(["--preset", "seed"]).modes == ["fp32", "torch-amp", "fusedamp"]
+    smaller = cli._config(cli._parse_args(["--preset", "seed", "--batch-size", "16", "--width", "4"]),
+                          cli.PRESETS["seed"], on_cuda=False)
+    assert (smaller.width, smaller.batch_size, smaller.amp_batch_size) == (4, 16, 32)
+
+
+def test_seed_preset_prints_the_published_figures_beside_this_run(capsys):
+    results = cli.main(["--preset", "seed", "--width", "2", "--train-size", "256", "--test-size", "32",
+                        "--batch-size", "32", "--epochs", "1", "--diag-every", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert out.startswith("preset seed: the seed experiment: ResNet-50 on FashionMNIST")
+    assert "warning: the seed preset is a GPU experiment" in out
+    assert [(r.mode, r.batch_size, r.samples_per_epoch) for r in results] == \
+        [("fp32", 32, 256), ("torch-amp", 64, 256), ("fusedamp", 64, 256)]
+    assert "the seed experiment as published (GPU, 10 epochs) | this run:" in out
+    for figure in ("333 s |", "141 s |", "2.36x |", "the same in fp32 and AMP |", "about 25% |"):
+        assert figure in out
+    assert "(~" in out and "for 10 epochs of 256)" in out  # extrapolated: 1 epoch ran, not 10
+
+
+def test_seed_comparison_lines():
+    fp32 = report.ModeResult("fp32", samples_per_epoch=1000, epoch_times=[20.0] * 10,
+                             block_samples=[1000] * 10, block_times=[20.0] * 10,
+                             precision=0.9, recall=0.8, f1=0.85, underflow=[(0, 0.2), (10, 0.3)])
+    amp = report.ModeResult("torch-amp", samples_per_epoch=1000, epoch_times=[10.0] * 10,
+                            block_samples=[1000] * 10, block_times=[10.0] * 10)
+    lines = report.seed_comparison([fp32, amp], full_epochs=10, full_samples=1000)
+    assert lines[1].endswith("333 s | fp32 200.0 s")  # the full run: nothing extrapolated
+    assert lines[2].endswith("141 s | torch-amp 100.0 s")
+    assert lines[3].endswith("2.36x | torch-amp 2.00x [2.00-2.00]")
+    assert "fp32 0.9000 / 0.8000 / 0.8500" in lines[4] and lines[5].endswith("fp32 25.0%, torch-amp -")
 
 
 # ----------------------------------------------------------------------- benchmark runner

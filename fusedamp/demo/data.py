@@ -62,7 +62,7 @@ class IDXFormatError(ValueError):
 
     >>> raise IDXFormatError("labels.idx: truncated header")
     Traceback (most recent call last):
-    fusedamp.data.IDXFormatError: labels.idx: truncated header
+    fusedamp.demo.data.IDXFormatError: labels.idx: truncated header
     """
 
 
@@ -242,6 +242,9 @@ def _garments(labels: Tensor, generator: torch.Generator) -> Tensor:
     return shapes[torch.arange(n), labels].clamp(0.0, 1.0)
 
 
+_CHUNK = 4096  # synthetic images drawn at a time
+
+
 def synthetic_fashion_mnist(n_train: int = 12000, n_test: int = 2000, seed: int = 0) -> FashionMNIST:
     """A learnable FashionMNIST-shaped data set: balanced classes, uint8 28x28 images.
 
@@ -253,15 +256,19 @@ def synthetic_fashion_mnist(n_train: int = 12000, n_test: int = 2000, seed: int 
     total = n_train + n_test
     labels = torch.arange(total) % len(CLASSES)
     labels = labels[torch.randperm(total, generator=generator)]
-    images = _garments(labels, generator)
-    # Shading: a per-image brightness times a smooth texture (upsampled coarse noise), then
-    # pixel noise; the background stays near black as in the real set.
-    brightness = 0.45 + 0.55 * torch.rand(total, 1, 1, generator=generator)
-    coarse = torch.rand(total, 1, 7, 7, generator=generator)
-    texture = F.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)[:, 0]
-    images = images * brightness * (0.6 + 0.4 * texture)
-    images = images + 0.12 * torch.randn(images.shape, generator=generator)
-    images = (images.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+    images = torch.empty(total, 28, 28, dtype=torch.uint8)
+    # In chunks: the float intermediates of all 70,000 images at once would take ~6 GB.
+    for start in range(0, total, _CHUNK):
+        chunk = labels[start:start + _CHUNK]
+        garments = _garments(chunk, generator)
+        # Shading: a per-image brightness times a smooth texture (upsampled coarse noise), then
+        # pixel noise; the background stays near black as in the real set.
+        brightness = 0.45 + 0.55 * torch.rand(len(chunk), 1, 1, generator=generator)
+        coarse = torch.rand(len(chunk), 1, 7, 7, generator=generator)
+        texture = F.interpolate(coarse, size=(28, 28), mode="bilinear", align_corners=False)[:, 0]
+        garments = garments * brightness * (0.6 + 0.4 * texture)
+        garments = garments + 0.12 * torch.randn(garments.shape, generator=generator)
+        images[start:start + _CHUNK] = (garments.clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
     train = Split(images[:n_train].contiguous(), labels[:n_train].contiguous())
     test = Split(images[n_train:].contiguous(), labels[n_train:].contiguous())
     return FashionMNIST(train, test, f"synthetic FashionMNIST-shaped data (seed {seed})", True)
