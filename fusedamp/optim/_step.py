@@ -13,6 +13,7 @@ from fusedamp._layout import is_dense, like, real_view, same_order
 
 
 def on_device(tensor: Tensor | None, device: torch.device) -> Tensor | None:
+    """``tensor`` (an AMP scalar) on ``device``; None stays None."""
     if tensor is None or tensor.device == device:
         return tensor
     # A CPU kernel reads its scalars on the host at once, so a copy to the CPU must be complete.
