@@ -6,18 +6,21 @@
 
 namespace fusedamp {
 
-DType float_dtype_of(const at::Tensor& tensor, const std::string& what) {
-  switch (tensor.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kHalf:
-      return DType::kFloat16;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "fusedamp: ", what, " has dtype ", tensor.scalar_type(),
-                       "; expected float32, float16 or bfloat16");
+// fp32 / fp16 / bf16 -> DType in `out`; false for any other type.
+static bool to_float_dtype(at::ScalarType type, DType& out) {
+  switch (type) {
+    case at::kFloat: out = DType::kFloat32; return true;
+    case at::kHalf: out = DType::kFloat16; return true;
+    case at::kBFloat16: out = DType::kBFloat16; return true;
+    default: return false;
   }
+}
+
+DType float_dtype_of(const at::Tensor& tensor, const std::string& what) {
+  DType dtype;
+  TORCH_CHECK_TYPE(to_float_dtype(tensor.scalar_type(), dtype), "fusedamp: ", what, " has dtype ",
+                   tensor.scalar_type(), "; expected float32, float16 or bfloat16");
+  return dtype;
 }
 
 void check_scalar_tensor(const at::Tensor& tensor, const char* what, const at::Device& device) {
@@ -74,9 +77,10 @@ void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const ch
   const at::Device device = found_inf.device();
   check_scalar_tensor(found_inf, (std::string(op) + ": found_inf").c_str(), device);
   for (size_t i = 0; i < grads.size(); ++i) {
-    const at::ScalarType dtype = grads[i].scalar_type();
-    const bool float_type = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
-    if (float_type && is_dense_on(grads[i], device)) continue;  // see [note: lazy names]
+    DType dtype;
+    if (to_float_dtype(grads[i].scalar_type(), dtype) && is_dense_on(grads[i], device)) {
+      continue;  // see [note: lazy names]
+    }
     const std::string what = std::string(op) + ": " + item_name("grads", i);
     check_dense_tensor(grads[i], what, device);
     float_dtype_of(grads[i], what);
@@ -299,6 +303,24 @@ OptimizerCall check_sgd_args(at::TensorList params, at::TensorList grads,
                              {dampening, "dampening"}, {weight_decay, "weight_decay"}}) {
     check_hyperparameter(value, name, "sgd_");
   }
+  return call;
+}
+
+GradStatsCall check_grad_stats_call(at::TensorList grads, const c10::optional<at::Tensor>& inv_scale) {
+  GradStatsCall call{{}, {}, grads.empty() ? (inv_scale ? inv_scale->device() : at::Device(at::kCPU))
+                                           : grads[0].device()};
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& grad = grads[i];
+    DType dtype;
+    if (!(to_float_dtype(grad.scalar_type(), dtype) && is_dense_on(grad, call.device))) {
+      const std::string what = "grad_stats: " + item_name("grads", i);  // [note: lazy names]
+      check_dense_tensor(grad, what, call.device);
+      dtype = float_dtype_of(grad, what);
+    }
+    call.dtypes.push_back(dtype);
+    call.numels.push_back(grad.numel());
+  }
+  if (inv_scale) check_scalar_tensor(*inv_scale, "grad_stats: inv_scale", call.device);
   return call;
 }
 

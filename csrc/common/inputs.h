@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <vector>
+
 #include "fusedamp/math/dtypes.h"
 #include "fusedamp/math/master.h"
 #include "fusedamp/math/scale.h"
@@ -73,6 +75,19 @@ OptimizerCall check_sgd_args(at::TensorList params, at::TensorList grads,
                              const c10::optional<at::Tensor>& inv_grad_scale,
                              const c10::optional<at::Tensor>& found_inf,
                              const c10::optional<at::Tensor>& clip_coef);
+
+// Columns of grad_stats' counts output: below 2^-24, below 2^-14, non-finite.
+constexpr int64_t kGradStatsCounts = 3;
+
+struct GradStatsCall {
+  std::vector<int64_t> numels;
+  std::vector<DType> dtypes;
+  at::Device device;
+};
+
+// The checks of grad_stats: grads dense (any memory format: statistics ignore the order), float
+// dtypes, one device; inv_scale, when given, a one-element float32 tensor on that device.
+GradStatsCall check_grad_stats_call(at::TensorList grads, const c10::optional<at::Tensor>& inv_scale);
 
 // Whether an optimizer step writes the grad it used back into grads: when the caller asks and
 // the step changed it (unscaled or clipped); otherwise the write would only cost bandwidth.

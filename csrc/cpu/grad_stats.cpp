@@ -5,7 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include "common/grad_stats_inputs.h"
+#include "common/inputs.h"
 #include "fusedamp/math/grad_stats.h"
 #include "fusedamp/multi_tensor_plan.h"
 

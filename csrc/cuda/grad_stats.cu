@@ -8,7 +8,7 @@
 
 #include <algorithm>
 
-#include "common/grad_stats_inputs.h"
+#include "common/inputs.h"
 #include "cuda/multi_tensor_apply.cuh"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/math/grad_stats.h"
