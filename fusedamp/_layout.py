@@ -57,11 +57,7 @@ def real_view(tensor: Tensor) -> Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-def kernel_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The element type a kernel sees for a tensor of ``dtype`` (complex: its real type)."""
-    return dtype.to_real() if dtype.is_complex else dtype
-
-
 def has_kernel(dtype: torch.dtype) -> bool:
-    """Whether fusedamp's fused kernels take tensors of ``dtype`` (after :func:`real_view`)."""
-    return kernel_dtype(dtype) in KERNEL_DTYPES
+    """Whether fusedamp's fused kernels take tensors of ``dtype`` (complex ones as their
+    :func:`real_view`)."""
+    return (dtype.to_real() if dtype.is_complex else dtype) in KERNEL_DTYPES
