@@ -238,8 +238,13 @@ BAD_INPUTS = [
     (
         "float growth tracker",
         lambda: ops.update_scale_(
-            scalar(1, "cpu"), torch.zeros(()), torch.ones((), dtype=torch.int32), scalar(0, "cpu"),
-            2.0, 0.5, 10,
+            scalar(1, "cpu"),
+            torch.zeros(()),
+            torch.ones((), dtype=torch.int32),
+            scalar(0, "cpu"),
+            2.0,
+            0.5,
+            10,
         ),
         TypeError,
         "update_scale_: growth_tracker must be a one-element int32 tensor, got Float",
@@ -247,8 +252,13 @@ BAD_INPUTS = [
     (
         "zero growth interval",
         lambda: ops.update_scale_(
-            scalar(1, "cpu"), torch.zeros((), dtype=torch.int32), torch.ones((), dtype=torch.int32),
-            scalar(0, "cpu"), 2.0, 0.5, 0,
+            scalar(1, "cpu"),
+            torch.zeros((), dtype=torch.int32),
+            torch.ones((), dtype=torch.int32),
+            scalar(0, "cpu"),
+            2.0,
+            0.5,
+            0,
         ),
         ValueError,
         "growth_interval and hysteresis must be positive, got 0 and 1",

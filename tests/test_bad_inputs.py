@@ -120,7 +120,8 @@ def two_group_optimizer(cls: type) -> tuple[torch.optim.Optimizer, list[nn.Param
     params = [nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(6).to(torch.bfloat16))]
     opt = cls(
         [{"params": [params[0]]}, {"params": [params[1]], "master_weights": "remainder"}],
-        lr=0.1, **({"momentum": 0.9} if cls is fusedamp.FusedSGD else {}),
+        lr=0.1,
+        **({"momentum": 0.9} if cls is fusedamp.FusedSGD else {}),
     )
     for param in params:
         param.grad = torch.randn_like(param)
@@ -182,7 +183,11 @@ def adamw_args(count: int = 2) -> dict[str, Any]:
         "max_exp_avg_sqs": [],
         "masters": [],
         "steps": [torch.ones(()) for _ in range(count)],
-        "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1,
+        "lr": 1e-2,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.1,
     }
 
 
@@ -199,33 +204,81 @@ def with_last(args: dict[str, Any], key: str, tensor: torch.Tensor) -> dict[str,
 SHARED_GRAD = torch.ones(3)
 
 ADAMW_CASES: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]], type, str]] = [
-    ("short list", lambda a: {**a, "grads": a["grads"][:1]}, RuntimeError,
-     r"adamw_: grads has 1 tensors but params has 2; pass one per param"),
-    ("masters length", lambda a: {**a, "masters": [torch.zeros(4)]}, RuntimeError,
-     r"masters has 1 tensors but params has 2; pass none \(no master weights\) or one per param"),
-    ("complex param", lambda a: with_last(a, "params", torch.zeros(4, dtype=torch.complex64)), TypeError,
-     r"params\[1\] is ComplexFloat but params\[0\] is Float; one call takes one param dtype"),
-    ("int grad", lambda a: with_last(a, "grads", torch.zeros(4, dtype=torch.int32)), TypeError,
-     r"grads\[1\] is Int, expected Float"),
-    ("size", lambda a: with_last(a, "grads", torch.zeros(5)), RuntimeError,
-     r"grads\[1\] has 5 elements but adamw_: params\[1\] has 4"),
-    ("other element order", lambda a: with_last(a, "exp_avgs", torch.zeros(2, 2).t()), RuntimeError,
-     r"exp_avgs\[1\] \(sizes \[2, 2\], strides \[1, 2\]\) does not store its elements in the order of "
-     r"adamw_: params\[1\]"),
-    ("overlapping", lambda a: with_last(a, "exp_avg_sqs", torch.zeros(1).expand(4)), RuntimeError,
-     r"exp_avg_sqs\[1\] has gaps or overlaps in memory"),
-    ("float64 step", lambda a: with_last(a, "steps", torch.zeros((), dtype=torch.float64)), TypeError,
-     r"steps\[1\] must be a float32 tensor, got Double"),
+    (
+        "short list",
+        lambda a: {**a, "grads": a["grads"][:1]},
+        RuntimeError,
+        r"adamw_: grads has 1 tensors but params has 2; pass one per param",
+    ),
+    (
+        "masters length",
+        lambda a: {**a, "masters": [torch.zeros(4)]},
+        RuntimeError,
+        r"masters has 1 tensors but params has 2; pass none \(no master weights\) or one per param",
+    ),
+    (
+        "complex param",
+        lambda a: with_last(a, "params", torch.zeros(4, dtype=torch.complex64)),
+        TypeError,
+        r"params\[1\] is ComplexFloat but params\[0\] is Float; one call takes one param dtype",
+    ),
+    (
+        "int grad",
+        lambda a: with_last(a, "grads", torch.zeros(4, dtype=torch.int32)),
+        TypeError,
+        r"grads\[1\] is Int, expected Float",
+    ),
+    (
+        "size",
+        lambda a: with_last(a, "grads", torch.zeros(5)),
+        RuntimeError,
+        r"grads\[1\] has 5 elements but adamw_: params\[1\] has 4",
+    ),
+    (
+        "other element order",
+        lambda a: with_last(a, "exp_avgs", torch.zeros(2, 2).t()),
+        RuntimeError,
+        r"exp_avgs\[1\] \(sizes \[2, 2\], strides \[1, 2\]\) does not store its elements in the order of "
+        r"adamw_: params\[1\]",
+    ),
+    (
+        "overlapping",
+        lambda a: with_last(a, "exp_avg_sqs", torch.zeros(1).expand(4)),
+        RuntimeError,
+        r"exp_avg_sqs\[1\] has gaps or overlaps in memory",
+    ),
+    (
+        "float64 step",
+        lambda a: with_last(a, "steps", torch.zeros((), dtype=torch.float64)),
+        TypeError,
+        r"steps\[1\] must be a float32 tensor, got Double",
+    ),
     ("nan lr", lambda a: {**a, "lr": float("nan")}, ValueError, "lr is nan; it must be a finite number"),
     ("nan eps", lambda a: {**a, "eps": float("nan")}, ValueError, "eps is nan; it must be a finite number"),
-    ("found_inf dtype", lambda a: {**a, "found_inf": torch.zeros((), dtype=torch.float64)}, TypeError,
-     "found_inf must be a float32 tensor, got Double"),
-    ("grad is its param", lambda a: with_last(a, "grads", a["params"][-1]), RuntimeError,
-     r"adamw_: params\[1\] and grads\[1\] share memory|adamw_: grads\[1\] and params\[1\] share memory"),
-    ("one moment twice", lambda a: with_last(a, "exp_avg_sqs", a["exp_avgs"][-1]), RuntimeError,
-     r"exp_av\w*\[1\] and exp_av\w*\[1\] share memory"),
-    ("overlapping params", lambda a: {**a, "params": list(torch.randn(6).as_strided((2, 4), (2, 1)))},
-     RuntimeError, r"params\[0\] and params\[1\] share memory"),
+    (
+        "found_inf dtype",
+        lambda a: {**a, "found_inf": torch.zeros((), dtype=torch.float64)},
+        TypeError,
+        "found_inf must be a float32 tensor, got Double",
+    ),
+    (
+        "grad is its param",
+        lambda a: with_last(a, "grads", a["params"][-1]),
+        RuntimeError,
+        r"adamw_: params\[1\] and grads\[1\] share memory|adamw_: grads\[1\] and params\[1\] share memory",
+    ),
+    (
+        "one moment twice",
+        lambda a: with_last(a, "exp_avg_sqs", a["exp_avgs"][-1]),
+        RuntimeError,
+        r"exp_av\w*\[1\] and exp_av\w*\[1\] share memory",
+    ),
+    (
+        "overlapping params",
+        lambda a: {**a, "params": list(torch.randn(6).as_strided((2, 4), (2, 1)))},
+        RuntimeError,
+        r"params\[0\] and params\[1\] share memory",
+    ),
 ]
 
 
@@ -245,14 +298,34 @@ def test_adamw_op_refuses_and_writes_nothing(
 @pytest.mark.parametrize(
     ("grads", "found_inf", "inv_scale", "error", "message"),
     [
-        ([torch.ones(3), torch.ones(3, dtype=torch.int64)], torch.zeros(()), torch.full((), 0.5),
-         TypeError, r"unscale_: grads\[1\] has dtype torch.int64; expected a floating point or complex"),
-        ([torch.ones(3)], torch.zeros((), dtype=torch.float16), torch.full((), 0.5),
-         TypeError, "found_inf must be a float32 tensor, got Half"),
-        ([torch.ones(3)], torch.zeros(()), torch.full((2,), 0.5),
-         RuntimeError, r"inv_scale must hold exactly one element, got shape \[2\]"),
-        ([SHARED_GRAD, torch.ones(2), SHARED_GRAD], torch.zeros(()), torch.full((), 0.5),
-         RuntimeError, r"unscale_: grads\[0\] and grads\[2\] share memory"),
+        (
+            [torch.ones(3), torch.ones(3, dtype=torch.int64)],
+            torch.zeros(()),
+            torch.full((), 0.5),
+            TypeError,
+            r"unscale_: grads\[1\] has dtype torch.int64; expected a floating point or complex",
+        ),
+        (
+            [torch.ones(3)],
+            torch.zeros((), dtype=torch.float16),
+            torch.full((), 0.5),
+            TypeError,
+            "found_inf must be a float32 tensor, got Half",
+        ),
+        (
+            [torch.ones(3)],
+            torch.zeros(()),
+            torch.full((2,), 0.5),
+            RuntimeError,
+            r"inv_scale must hold exactly one element, got shape \[2\]",
+        ),
+        (
+            [SHARED_GRAD, torch.ones(2), SHARED_GRAD],
+            torch.zeros(()),
+            torch.full((), 0.5),
+            RuntimeError,
+            r"unscale_: grads\[0\] and grads\[2\] share memory",
+        ),
     ],
 )
 def test_unscale_op_refuses_and_writes_nothing(
@@ -293,8 +366,11 @@ def random_values(seed: int, count: int, scale: float) -> torch.Tensor:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    sizes=SHAPES, dtype=FLOAT_DTYPES, seed=st.integers(0, 2**31 - 1),
-    scale_exponent=st.integers(-12, 12), poison=st.sampled_from([None, "inf", "-inf", "nan"]),
+    sizes=SHAPES,
+    dtype=FLOAT_DTYPES,
+    seed=st.integers(0, 2**31 - 1),
+    scale_exponent=st.integers(-12, 12),
+    poison=st.sampled_from([None, "inf", "-inf", "nan"]),
 )
 def test_unscale_matches_float64(
     sizes: list[int], dtype: torch.dtype, seed: int, scale_exponent: int, poison: str | None
@@ -302,8 +378,7 @@ def test_unscale_matches_float64(
     """unscale_ multiplies by inv_scale in fp32 and rounds once to the grad dtype: within half an
     ulp of the float64 product plus the fp32 rounding; found_inf is 1 iff any value is inf/NaN."""
     values = [
-        random_values(seed + index, size, 2.0**scale_exponent).to(dtype)
-        for index, size in enumerate(sizes)
+        random_values(seed + index, size, 2.0**scale_exponent).to(dtype) for index, size in enumerate(sizes)
     ]
     if poison is not None and values[-1].numel():
         values[-1][-1] = float(poison)
@@ -314,15 +389,27 @@ def test_unscale_matches_float64(
     for value, grad in zip(values, grads, strict=True):
         expected = value.double() * inv_scale.double()
         torch.testing.assert_close(
-            grad.double(), expected, rtol=HALF_ULP[dtype] + 2.0**-24, atol=0.0, equal_nan=True,
+            grad.double(),
+            expected,
+            rtol=HALF_ULP[dtype] + 2.0**-24,
+            atol=0.0,
+            equal_nan=True,
         )
     poisoned = any(not torch.isfinite(value).all() for value in values)
     assert found_inf.item() == (1.0 if poisoned else 0.0)
 
 
 def adamw_float64(
-    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
-    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.optim.AdamW's formula in float64."""
     param = param * (1 - lr * weight_decay)
@@ -336,13 +423,24 @@ def adamw_float64(
 
 @settings(max_examples=30, deadline=None)
 @given(
-    sizes=SHAPES, param_dtype=FLOAT_DTYPES, seed=st.integers(0, 2**31 - 1), step=st.integers(0, 50),
-    lr=st.floats(1e-5, 1e-1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+    sizes=SHAPES,
+    param_dtype=FLOAT_DTYPES,
+    seed=st.integers(0, 2**31 - 1),
+    step=st.integers(0, 50),
+    lr=st.floats(1e-5, 1e-1),
+    beta1=st.floats(0.0, 0.99),
+    beta2=st.floats(0.5, 0.9999),
     weight_decay=st.floats(0.0, 0.5),
 )
 def test_adamw_matches_float64(
-    sizes: list[int], param_dtype: torch.dtype, seed: int, step: int, lr: float, beta1: float,
-    beta2: float, weight_decay: float,
+    sizes: list[int],
+    param_dtype: torch.dtype,
+    seed: int,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
 ) -> None:
     """One adamw_ step (fp32 masters for half params) against float64 AdamW: moments and the
     master within fp32 rounding; a half param is its master rounded to nearest, exactly."""
@@ -356,8 +454,16 @@ def test_adamw_matches_float64(
     grads = [grad.to(param_dtype) for grad in grads64]
     expected = [
         adamw_float64(
-            master.double(), grad.double(), exp_avg.double(), exp_avg_sq.double(), step + 1,
-            lr, beta1, beta2, eps, weight_decay,
+            master.double(),
+            grad.double(),
+            exp_avg.double(),
+            exp_avg_sq.double(),
+            step + 1,
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
         )
         for master, grad, exp_avg, exp_avg_sq in zip(
             masters if half else params, grads, exp_avgs, exp_avg_sqs, strict=True
@@ -366,8 +472,18 @@ def test_adamw_matches_float64(
     work_masters = [master.clone() for master in masters] if half else []
     steps = [torch.full((), float(step)) for _ in sizes]
     ops.adamw_(
-        params, grads, exp_avgs, exp_avg_sqs, [], work_masters, steps, lr=lr, beta1=beta1,
-        beta2=beta2, eps=eps, weight_decay=weight_decay,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        work_masters,
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
     )
     for index, (want_param, want_avg, want_avg_sq) in enumerate(expected):
         assert steps[index].item() == step + 1
@@ -411,8 +527,17 @@ def test_adamw_10000_tensors_in_one_call() -> None:
         ref.grad = grad.clone()
     torch.optim.AdamW(reference, lr=1e-2, foreach=False).step()
     ops.adamw_(
-        params, grads, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params],
-        [], [], [torch.zeros(()) for _ in params], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+        params,
+        grads,
+        [torch.zeros_like(p) for p in params],
+        [torch.zeros_like(p) for p in params],
+        [],
+        [],
+        [torch.zeros(()) for _ in params],
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
         weight_decay=1e-2,
     )
     for param, ref in zip(params, reference, strict=True):

@@ -122,8 +122,10 @@ def resume_matches_uninterrupted(device: str, optimizer: str, map_location: str)
     # The state holds every kind of entry: step tensors, moments, masters and remainders.
     assert {"master", "step"} <= set(opt.state[model.master.weight])
     assert {"master_remainder", "step"} <= set(opt.state[model.remainder.weight])
-    assert not torch.equal(opt.state[model.remainder.weight]["master_remainder"],
-                           torch.zeros_like(opt.state[model.remainder.weight]["master_remainder"]))
+    assert not torch.equal(
+        opt.state[model.remainder.weight]["master_remainder"],
+        torch.zeros_like(opt.state[model.remainder.weight]["master_remainder"]),
+    )
 
     first, first_opt, first_scaler = build(device, optimizer)
     train(first, first_opt, first_scaler, range(STOP_AT), device)

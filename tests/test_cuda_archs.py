@@ -101,4 +101,3 @@ def test_build_info_reports_this_builds_gemm_kernels() -> None:
     # A build for 9.0 has 9.0a too (setup.py adds it), so it has the wgmma kernel.
     if "9.0" in {arch.removesuffix("+PTX") for arch in info["cuda_archs"]}:
         assert "wgmma" in info["gemm_kernels"]
-

@@ -50,8 +50,11 @@ def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_step(
-    model: nn.Module, opt: torch.optim.Optimizer, scaler: fusedamp.GradScaler,
-    inputs: torch.Tensor, target: torch.Tensor,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: fusedamp.GradScaler,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
 ) -> torch.Tensor:
     opt.zero_grad(set_to_none=False)
     # No cast cache: a graph must not keep casts from the capture.
@@ -141,7 +144,17 @@ def test_ops_refuse_a_cpu_lr_tensor_under_capture() -> None:
     lr = torch.tensor(1e-2)
     calls = {
         "adamw_": lambda: fusedamp.ops.adamw_(
-            [p], [g], [m], [v], [], [], [step], lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+            [p],
+            [g],
+            [m],
+            [v],
+            [],
+            [],
+            [step],
+            lr=lr,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
             weight_decay=0.0,
         ),
         "sgd_": lambda: fusedamp.ops.sgd_([p], [g], [b], [], [step], lr=lr, momentum=0.9),
@@ -180,7 +193,9 @@ def test_grad_stats_is_captured_and_replays_on_new_values() -> None:
         for block in pinned:
             block.fill_(255)
         generator = torch.Generator().manual_seed(seed)
-        values = [(torch.randn(n, generator=generator) * 10.0**-(seed + 3)).to(dtype) for n, dtype in shapes]
+        values = [
+            (torch.randn(n, generator=generator) * 10.0 ** -(seed + 3)).to(dtype) for n, dtype in shapes
+        ]
         values[0][7 * seed] = float("inf")
         for grad, value in zip(grads, values, strict=True):
             grad.copy_(value)

@@ -45,8 +45,20 @@ def adamw_call(sizes: list[int], device: str) -> list[torch.Tensor]:
     found_inf = torch.zeros((), device=device)
     inv_scale = torch.full((), 0.5, device=device)
     ops.adamw_(
-        tensors[0], tensors[1], tensors[2], tensors[3], [], tensors[4], steps, lr=1e-2, beta1=0.9,
-        beta2=0.999, eps=1e-8, weight_decay=0.1, inv_grad_scale=inv_scale, found_inf=found_inf,
+        tensors[0],
+        tensors[1],
+        tensors[2],
+        tensors[3],
+        [],
+        tensors[4],
+        steps,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.1,
+        inv_grad_scale=inv_scale,
+        found_inf=found_inf,
     )
     return [tensor.cpu() for group in tensors for tensor in group] + [step.cpu() for step in steps]
 
@@ -103,13 +115,30 @@ def test_adamw_on_more_than_2_pow_31_elements() -> None:
 
     small_grad = torch.tensor([0.5, *(-1.0 - i for i in range(len(special)))], dtype=torch.float16)
     count = len(small_grad)
-    small = [torch.ones(count, dtype=torch.float16), small_grad, torch.zeros(count), torch.zeros(count),
-             torch.ones(count)]
+    small = [
+        torch.ones(count, dtype=torch.float16),
+        small_grad,
+        torch.zeros(count),
+        torch.zeros(count),
+        torch.ones(count),
+    ]
     small = [tensor.cuda() for tensor in small]
-    ops.adamw_([small[0]], [small[1]], [small[2]], [small[3]], [], [small[4]],
-               [torch.zeros((), device="cuda")], **options)
-    windows = (slice(1, 4097), slice(2**31 - 4097, 2**31 - 1), slice(2**31 + 1, 2**31 + 4097),
-               slice(numel - 4097, numel - 1))
+    ops.adamw_(
+        [small[0]],
+        [small[1]],
+        [small[2]],
+        [small[3]],
+        [],
+        [small[4]],
+        [torch.zeros((), device="cuda")],
+        **options,
+    )
+    windows = (
+        slice(1, 4097),
+        slice(2**31 - 4097, 2**31 - 1),
+        slice(2**31 + 1, 2**31 + 4097),
+        slice(numel - 4097, numel - 1),
+    )
     for big, reference in zip((param, exp_avg, exp_avg_sq, master), (small[0], *small[2:]), strict=True):
         # An element the kernel missed would still be 0 or 1: every reference value is not.
         assert not ((reference == 0) | (reference == 1)).any()

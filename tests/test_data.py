@@ -19,10 +19,22 @@ from fusedamp.demo.data import (
     synthetic_fashion_mnist,
 )
 
-TYPE_CODES = {torch.uint8: 0x08, torch.int8: 0x09, torch.int16: 0x0B, torch.int32: 0x0C,
-              torch.float32: 0x0D, torch.float64: 0x0E}
-STRUCT_CODES = {torch.uint8: "B", torch.int8: "b", torch.int16: "h", torch.int32: "i",
-                torch.float32: "f", torch.float64: "d"}
+TYPE_CODES = {
+    torch.uint8: 0x08,
+    torch.int8: 0x09,
+    torch.int16: 0x0B,
+    torch.int32: 0x0C,
+    torch.float32: 0x0D,
+    torch.float64: 0x0E,
+}
+STRUCT_CODES = {
+    torch.uint8: "B",
+    torch.int8: "b",
+    torch.int16: "h",
+    torch.int32: "i",
+    torch.float32: "f",
+    torch.float64: "d",
+}
 
 
 def idx_bytes(values: torch.Tensor) -> bytes:
@@ -159,13 +171,15 @@ def test_synthetic_set_is_learnable_but_not_trivial():
     # nearest-class-mean one must not be perfect: the classes overlap like the real ones do.
     data = synthetic_fashion_mnist(3000, 1000, seed=0)
     features = lambda split: torch.cat(  # noqa: E731
-        [split.images.flatten(1).double() / 255.0, torch.ones(len(split), 1, dtype=torch.float64)], 1)
+        [split.images.flatten(1).double() / 255.0, torch.ones(len(split), 1, dtype=torch.float64)], 1
+    )
     targets = torch.nn.functional.one_hot(data.train.labels, len(CLASSES)).double()
     x = features(data.train)
     weights = torch.linalg.solve(x.T @ x + 1e-3 * torch.eye(x.shape[1], dtype=x.dtype), x.T @ targets)
     linear_accuracy = (features(data.test) @ weights).argmax(1).eq(data.test.labels).double().mean()
-    means = torch.stack([data.train.images[data.train.labels == c].flatten(1).double().mean(0)
-                         for c in range(len(CLASSES))])
+    means = torch.stack(
+        [data.train.images[data.train.labels == c].flatten(1).double().mean(0) for c in range(len(CLASSES))]
+    )
     nearest = torch.cdist(data.test.images.flatten(1).double(), means).argmin(1)
     nearest_accuracy = nearest.eq(data.test.labels).double().mean()
     assert linear_accuracy > 0.5
@@ -187,8 +201,13 @@ def test_batches_normalize_and_cover_the_split():
 
 def test_batches_shuffle_is_seeded_and_drop_last_drops():
     data = synthetic_fashion_mnist(70, 10)
-    order = lambda seed: torch.cat([y for _, y in batches(  # noqa: E731
-        data.train, 16, shuffle=True, generator=torch.Generator().manual_seed(seed), drop_last=True)])
+
+    def order(seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.cat(
+            [y for _, y in batches(data.train, 16, shuffle=True, generator=generator, drop_last=True)]
+        )
+
     assert len(order(0)) == 64
     assert torch.equal(order(0), order(0))
     assert not torch.equal(order(0), order(1))

@@ -20,12 +20,27 @@ from fusedamp.demo.data import synthetic_fashion_mnist
 from fusedamp.demo.models import build_model, resnet18, resnet50
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--train-size", "192", "--test-size", "64", "--batch-size", "32", "--epochs", "1",
-        "--width", "4", "--diag-every", "2", "--device", "cpu"]
+TINY = [
+    "--train-size",
+    "192",
+    "--test-size",
+    "64",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "1",
+    "--width",
+    "4",
+    "--diag-every",
+    "2",
+    "--device",
+    "cpu",
+]
 FUSEDAMP_MODES = ["fusedamp", "fusedamp-o2"]
 # An AVX2-only CPU as the detector would describe it (no bf16/fp16 instructions, oneDNN without bf16).
-AVX2_CPU = hardware.describe_cpu("AMD EPYC (AVX2 only)", {"avx", "avx2", "fma"}, "AVX2",
-                                 {"bf16": False, "fp16": False}, None)
+AVX2_CPU = hardware.describe_cpu(
+    "AMD EPYC (AVX2 only)", {"avx", "avx2", "fma"}, "AVX2", {"bf16": False, "fp16": False}, None
+)
 
 
 @pytest.fixture(autouse=True)
@@ -57,8 +72,9 @@ def reference_metrics(predictions, targets, num_classes):
 def test_classification_metrics_match_a_plain_reference():
     generator = torch.Generator().manual_seed(0)
     targets = torch.randint(0, 6, (300,), generator=generator)
-    predictions = torch.where(torch.rand(300, generator=generator) < 0.6, targets,
-                              torch.randint(0, 5, (300,), generator=generator))  # class 5 under-predicted
+    predictions = torch.where(
+        torch.rand(300, generator=generator) < 0.6, targets, torch.randint(0, 5, (300,), generator=generator)
+    )  # class 5 under-predicted
     predictions[predictions == 4] = 3  # class 4 never predicted: precision 0 by convention
     got = train.classification_metrics(predictions, targets, 6)
     expected = reference_metrics(predictions.tolist(), targets.tolist(), 6)
@@ -138,11 +154,16 @@ def test_modes_take_turns_block_by_block():
     assert all(sum(r.block_times[:8]) == pytest.approx(r.epoch_times[0]) for r in results)
     speedups = results[1].speedups_vs(results[0])
     assert len(speedups) == 16
-    assert speedups == pytest.approx([f / a for f, a in zip(results[0].block_times, results[1].block_times,
-                                                            strict=True)])
+    assert speedups == pytest.approx(
+        [f / a for f, a in zip(results[0].block_times, results[1].block_times, strict=True)]
+    )
     lines = [line.split()[:3] for line in out.getvalue().splitlines()]
-    assert lines == [["fp32", "epoch", "1/2"], ["torch-amp", "epoch", "1/2"],
-                     ["fp32", "epoch", "2/2"], ["torch-amp", "epoch", "2/2"]]
+    assert lines == [
+        ["fp32", "epoch", "1/2"],
+        ["torch-amp", "epoch", "1/2"],
+        ["fp32", "epoch", "2/2"],
+        ["torch-amp", "epoch", "2/2"],
+    ]
 
 
 def test_peak_memory_counts_each_modes_own_state():
@@ -156,8 +177,9 @@ def test_peak_memory_counts_each_modes_own_state():
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     steps = sum(s["step"].numel() * s["step"].element_size() for s in run.recipe.optimizer.state.values())
     assert run.state_bytes() == 3 * params + buffers + steps  # weights, exp_avg, exp_avg_sq
-    results = train.run_modes(["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16,
-                              io.StringIO())
+    results = train.run_modes(
+        ["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16, io.StringIO()
+    )
     assert all(r.peak_memory_bytes >= 3 * params for r in results)
 
 
@@ -183,13 +205,16 @@ def test_demo_plot_without_matplotlib_says_so(monkeypatch, capsys):
     assert "--plot needs matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--modes", "fp32,fp8"], "unknown modes"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
-    (["--amp-batch-size", "0"], "--amp-batch-size must be at least 1"),
-    (["--time-budget", "-1"], "--time-budget must be at least 0"),
-    (["--preset", "nope"], "invalid choice: 'nope'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--modes", "fp32,fp8"], "unknown modes"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--amp-batch-size", "0"], "--amp-batch-size must be at least 1"),
+        (["--time-budget", "-1"], "--time-budget must be at least 0"),
+        (["--preset", "nope"], "invalid choice: 'nope'"),
+    ],
+)
 def test_demo_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
@@ -197,11 +222,18 @@ def test_demo_rejects_bad_arguments(argv, message, capsys):
 
 
 def test_results_table_speedups_against_fp32():
-    fp32 = report.ModeResult("fp32", epoch_times=[4.0], block_samples=[64, 64, 64],
-                             block_times=[1.0, 2.0, 1.0], accuracy=0.9)
-    amp = report.ModeResult("torch-amp", epoch_times=[2.0], block_samples=[64, 64, 64],
-                            block_times=[0.5, 0.5, 1.0], skipped_steps=1, final_scale=32768.0,
-                            underflow=[(0, 0.25), (10, 0.15)])
+    fp32 = report.ModeResult(
+        "fp32", epoch_times=[4.0], block_samples=[64, 64, 64], block_times=[1.0, 2.0, 1.0], accuracy=0.9
+    )
+    amp = report.ModeResult(
+        "torch-amp",
+        epoch_times=[2.0],
+        block_samples=[64, 64, 64],
+        block_times=[0.5, 0.5, 1.0],
+        skipped_steps=1,
+        final_scale=32768.0,
+        underflow=[(0, 0.25), (10, 0.15)],
+    )
     table = report.results_table([fp32, amp]).splitlines()
     assert table[0].split()[:6] == ["mode", "batch", "time/epoch", "samples/s", "speedup", "[min-max]"]
     # Per block 1/0.5, 2/0.5, 1/1: median 2, range 1 to 4; samples/s the median block's 64/0.5.
@@ -214,12 +246,19 @@ def test_demo_stays_out_of_the_library():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     check = "import sys, fusedamp; assert not [m for m in sys.modules if m.startswith('fusedamp.demo')]"
     subprocess.run([sys.executable, "-c", check], cwd=ROOT, env=env, check=True)
-    helped = subprocess.run([sys.executable, "-m", "fusedamp.demo", "--help"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, check=True)
+    helped = subprocess.run(
+        [sys.executable, "-m", "fusedamp.demo", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "--time-budget SECONDS" in helped.stdout and "--preset {seed}" in helped.stdout
 
 
 # ------------------------------------------------------------------------------- hardware
+
 
 def test_cpu_without_bf16_instructions_is_not_native():
     assert AVX2_CPU.native == {"bf16": False, "fp16": False}
@@ -227,27 +266,50 @@ def test_cpu_without_bf16_instructions_is_not_native():
     assert "bf16 NOT native" in AVX2_CPU.summary() and "torch CPU kernels AVX2" in AVX2_CPU.summary()
 
 
-@pytest.mark.parametrize("flags, onednn, cap, native, reason", [
-    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, None, True, "AVX512-BF16"),
-    ({"amx_bf16", "amx_tile"}, {"bf16": True, "fp16": True}, None, True, "AMX-BF16"),
-    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, "avx2", False,
-     "AVX512-BF16, but oneDNN is capped at avx2"),
-    ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, "AVX512_CORE_AMX", True, "AVX512-BF16"),
-    ({"avx512f", "avx512_bf16"}, {"bf16": False, "fp16": False}, None, False,
-     "AVX512-BF16, but oneDNN reports no bf16 support"),
-    ({"avx512f", "avx512_bf16"}, {"bf16": None, "fp16": None}, None, True, "AVX512-BF16"),  # torch silent
-    ({"avx512f", "avx512bw"}, {"bf16": True, "fp16": False}, None, False,  # AVX-512 emulation only
-     "no AVX512-BF16, AMX-BF16 or Arm BF16 instructions"),
-])
+@pytest.mark.parametrize(
+    "flags, onednn, cap, native, reason",
+    [
+        ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, None, True, "AVX512-BF16"),
+        ({"amx_bf16", "amx_tile"}, {"bf16": True, "fp16": True}, None, True, "AMX-BF16"),
+        (
+            {"avx512f", "avx512_bf16"},
+            {"bf16": True, "fp16": False},
+            "avx2",
+            False,
+            "AVX512-BF16, but oneDNN is capped at avx2",
+        ),
+        ({"avx512f", "avx512_bf16"}, {"bf16": True, "fp16": False}, "AVX512_CORE_AMX", True, "AVX512-BF16"),
+        (
+            {"avx512f", "avx512_bf16"},
+            {"bf16": False, "fp16": False},
+            None,
+            False,
+            "AVX512-BF16, but oneDNN reports no bf16 support",
+        ),
+        ({"avx512f", "avx512_bf16"}, {"bf16": None, "fp16": None}, None, True, "AVX512-BF16"),  # torch silent
+        (
+            {"avx512f", "avx512bw"},
+            {"bf16": True, "fp16": False},
+            None,
+            False,  # AVX-512 emulation only
+            "no AVX512-BF16, AMX-BF16 or Arm BF16 instructions",
+        ),
+    ],
+)
 def test_cpu_bf16_verdicts(flags, onednn, cap, native, reason):
     cpu = hardware.describe_cpu("cpu", flags, "AVX512", onednn, cap)
     assert cpu.native["bf16"] is native and cpu.reasons["bf16"] == reason
 
 
-@pytest.mark.parametrize("capability, native", [
-    ((6, 1), {"bf16": False, "fp16": False}), ((7, 5), {"bf16": False, "fp16": True}),
-    ((8, 0), {"bf16": True, "fp16": True}), ((9, 0), {"bf16": True, "fp16": True}),
-])
+@pytest.mark.parametrize(
+    "capability, native",
+    [
+        ((6, 1), {"bf16": False, "fp16": False}),
+        ((7, 5), {"bf16": False, "fp16": True}),
+        ((8, 0), {"bf16": True, "fp16": True}),
+        ((9, 0), {"bf16": True, "fp16": True}),
+    ],
+)
 def test_gpu_tensor_cores_by_compute_capability(capability, native):
     gpu = hardware.describe_cuda("GPU", capability)
     assert gpu.native == native
@@ -262,8 +324,10 @@ def test_detect_reads_this_cpu(monkeypatch):
     assert cpu.device_type == "cpu" and set(cpu.native) == {"bf16", "fp16"}
     if not {"avx512_bf16", "amx_bf16", "bf16"} & flags:
         assert not cpu.native["bf16"]
-    if hardware._guarded(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported()) and \
-            {"avx512_bf16", "amx_bf16"} & flags:
+    if (
+        hardware._guarded(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and {"avx512_bf16", "amx_bf16"} & flags
+    ):
         assert cpu.native["bf16"]
     # What an AVX2-only machine reports, from the facts detect() gathers.
     monkeypatch.setattr(hardware, "_cpu_flags_and_name", lambda: ({"avx2", "fma"}, "Old CPU"))
@@ -280,7 +344,8 @@ def test_advice_explains_a_cpu_without_bf16():
     assert "on a GPU with Tensor Cores" in lines[1] and "2.36x" in lines[1]
     native = hardware.describe_cpu("cpu", {"avx512_bf16"}, "AVX512", {"bf16": True, "fp16": False}, None)
     assert hardware.advice(native, "bf16", 1.7, "fusedamp") == [
-        "This CPU computes bf16 natively (AVX512-BF16): fusedamp ran 1.70x as fast as fp32 here."]
+        "This CPU computes bf16 natively (AVX512-BF16): fusedamp ran 1.70x as fast as fp32 here."
+    ]
     assert "did not pay off" in hardware.advice(native, "bf16", 0.9)[1]
     assert "--dtype fp16" in hardware.advice(hardware.describe_cuda("T4", (7, 5)), "bf16", 0.9)[-1]
 
@@ -294,6 +359,7 @@ def test_demo_on_a_cpu_without_bf16_says_why_amp_is_slower(monkeypatch, capsys):
 
 
 # ---------------------------------------------------------------------------- time budget
+
 
 def test_plan_keeps_the_full_run_when_it_fits():
     speeds = {"fp32": budget.Speed(1e-4, 1e-5), "torch-amp": budget.Speed(1e-4, 1e-5)}
@@ -329,12 +395,20 @@ def test_plan_with_fixed_epochs_and_the_smallest_run():
 def test_warm_up_measures_every_mode():
     data = synthetic_fashion_mnist(128, 64)
     config = train.RunConfig(width=4, batch_size=64, accumulate=2, diag_every=0)
-    speeds = budget.measure(["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16,
-                            cheap=60.0, deadline=time.perf_counter() + 60.0)
+    speeds = budget.measure(
+        ["fp32", "fusedamp-o2"],
+        data,
+        config,
+        torch.device("cpu"),
+        torch.bfloat16,
+        cheap=60.0,
+        deadline=time.perf_counter() + 60.0,
+    )
     assert list(speeds) == ["fp32", "fusedamp-o2"]
     assert all(0 < s.train < 1 and 0 < s.test < 1 for s in speeds.values())
-    late = budget.measure(["fp32"], data, config, torch.device("cpu"), torch.bfloat16, cheap=60.0,
-                          deadline=time.perf_counter())
+    late = budget.measure(
+        ["fp32"], data, config, torch.device("cpu"), torch.bfloat16, cheap=60.0, deadline=time.perf_counter()
+    )
     assert late == {}
 
 
@@ -380,8 +454,9 @@ def test_demo_fits_a_slow_amp_into_the_budget(monkeypatch, tmp_path, capsys):
 
 def test_explicit_epochs_are_exact_under_a_budget(monkeypatch, capsys):
     monkeypatch.setattr(budget, "measure", avx2_speeds)
-    results = cli.main([*TINY, "--epochs", "2", "--train-size", "1024", "--time-budget", "1",
-                        "--modes", "fp32,torch-amp"])
+    results = cli.main(
+        [*TINY, "--epochs", "2", "--train-size", "1024", "--time-budget", "1", "--modes", "fp32,torch-amp"]
+    )
     assert "for the 2 epochs asked for" in capsys.readouterr().out and len(results) == 2
     assert all(len(r.epoch_times) == 2 and r.samples_per_epoch == 32 for r in results)
 
@@ -394,8 +469,11 @@ def test_demo_stops_when_the_warm_up_runs_out_of_time(monkeypatch, capsys):
 
 
 def test_demo_refuses_a_run_that_cannot_fit(monkeypatch, capsys):
-    monkeypatch.setattr(budget, "measure", lambda *args, **kwargs: {
-        "fp32": budget.Speed(1.0, 0.1), "torch-amp": budget.Speed(12.0, 1.0)})
+    monkeypatch.setattr(
+        budget,
+        "measure",
+        lambda *args, **kwargs: {"fp32": budget.Speed(1.0, 0.1), "torch-amp": budget.Speed(12.0, 1.0)},
+    )
     tiny_budget = [a for a in TINY if a not in ("--epochs", "1")]
     assert cli.main([*tiny_budget, "--modes", "fp32,torch-amp", "--time-budget", "20"]) == []
     out = capsys.readouterr().out
@@ -407,48 +485,92 @@ def test_deadline_stops_before_a_round_that_cannot_end_in_time():
     data = synthetic_fashion_mnist(64, 16)
     config = train.RunConfig(width=4, epochs=3, batch_size=32, diag_every=0)
     out = io.StringIO()
-    results = train.run_modes(["fp32", "torch-amp"], data, config, torch.device("cpu"), torch.bfloat16,
-                              out, deadline=time.perf_counter())
+    results = train.run_modes(
+        ["fp32", "torch-amp"],
+        data,
+        config,
+        torch.device("cpu"),
+        torch.bfloat16,
+        out,
+        deadline=time.perf_counter(),
+    )
     # One round of blocks always runs; the epoch under way is then tested as it stands.
     for result in results:
         assert result.block_samples == [32] and len(result.epoch_times) == 1 and result.epoch_accuracy
         assert result.samples_per_epoch == 64 and result.time_per_epoch == pytest.approx(
-            64 / result.samples_per_s)
+            64 / result.samples_per_s
+        )
     assert "time budget: stopping in epoch 1 of 3 after 1 of 2 blocks" in out.getvalue()
     assert "fp32         epoch 1/3 [############------------]     32/64" in out.getvalue()
 
 
-@pytest.mark.parametrize("argv, cuda, expected", [
-    ([], False, cli.DEFAULT_TIME_BUDGET), ([], True, cli.DEFAULT_TIME_BUDGET),
-    (["--epochs", "2"], False, None), (["--time-budget", "0"], False, None),
-    (["--time-budget", "50", "--epochs", "2"], False, 50.0),
-    (["--preset", "seed"], False, cli.DEFAULT_TIME_BUDGET), (["--preset", "seed"], True, None),
-])
+@pytest.mark.parametrize(
+    "argv, cuda, expected",
+    [
+        ([], False, cli.DEFAULT_TIME_BUDGET),
+        ([], True, cli.DEFAULT_TIME_BUDGET),
+        (["--epochs", "2"], False, None),
+        (["--time-budget", "0"], False, None),
+        (["--time-budget", "50", "--epochs", "2"], False, 50.0),
+        (["--preset", "seed"], False, cli.DEFAULT_TIME_BUDGET),
+        (["--preset", "seed"], True, None),
+    ],
+)
 def test_when_the_budget_applies(argv, cuda, expected):
     assert cli._time_budget(cli._parse_args(argv), cuda)[0] == expected
 
 
 # ------------------------------------------------------------------------------ seed preset
 
+
 def test_seed_preset_settings_and_overrides():
     seed = cli._config(cli._parse_args(["--preset", "seed"]), cli.PRESETS["seed"], on_cuda=False)
-    assert (seed.model, seed.width, seed.epochs, seed.batch_size, seed.amp_batch_size) == \
-        ("resnet50", 64, 10, 128, 256)
+    assert (seed.model, seed.width, seed.epochs, seed.batch_size, seed.amp_batch_size) == (
+        "resnet50",
+        64,
+        10,
+        128,
+        256,
+    )
     assert seed.batch_size_of("fp32") == 128 and seed.batch_size_of("torch-amp") == 256
     assert cli._parse_args(["--preset", "seed"]).modes == ["fp32", "torch-amp", "fusedamp"]
-    smaller = cli._config(cli._parse_args(["--preset", "seed", "--batch-size", "16", "--width", "4"]),
-                          cli.PRESETS["seed"], on_cuda=False)
+    smaller = cli._config(
+        cli._parse_args(["--preset", "seed", "--batch-size", "16", "--width", "4"]),
+        cli.PRESETS["seed"],
+        on_cuda=False,
+    )
     assert (smaller.width, smaller.batch_size, smaller.amp_batch_size) == (4, 16, 32)
 
 
 def test_seed_preset_prints_the_published_figures_beside_this_run(capsys):
-    results = cli.main(["--preset", "seed", "--width", "2", "--train-size", "256", "--test-size", "32",
-                        "--batch-size", "32", "--epochs", "1", "--diag-every", "2", "--device", "cpu"])
+    results = cli.main(
+        [
+            "--preset",
+            "seed",
+            "--width",
+            "2",
+            "--train-size",
+            "256",
+            "--test-size",
+            "32",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--diag-every",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.startswith("preset seed: the seed experiment: ResNet-50 on FashionMNIST")
     assert "warning: the seed preset is a GPU experiment" in out
-    assert [(r.mode, r.batch_size, r.samples_per_epoch) for r in results] == \
-        [("fp32", 32, 256), ("torch-amp", 64, 256), ("fusedamp", 64, 256)]
+    assert [(r.mode, r.batch_size, r.samples_per_epoch) for r in results] == [
+        ("fp32", 32, 256),
+        ("torch-amp", 64, 256),
+        ("fusedamp", 64, 256),
+    ]
     assert "the seed experiment as published (GPU, 10 epochs) | this run:" in out
     for figure in ("333 s |", "141 s |", "2.36x |", "the same in fp32 and AMP |", "about 25% |"):
         assert figure in out
@@ -456,11 +578,24 @@ def test_seed_preset_prints_the_published_figures_beside_this_run(capsys):
 
 
 def test_seed_comparison_lines():
-    fp32 = report.ModeResult("fp32", samples_per_epoch=1000, epoch_times=[20.0] * 10,
-                             block_samples=[1000] * 10, block_times=[20.0] * 10,
-                             precision=0.9, recall=0.8, f1=0.85, underflow=[(0, 0.2), (10, 0.3)])
-    amp = report.ModeResult("torch-amp", samples_per_epoch=1000, epoch_times=[10.0] * 10,
-                            block_samples=[1000] * 10, block_times=[10.0] * 10)
+    fp32 = report.ModeResult(
+        "fp32",
+        samples_per_epoch=1000,
+        epoch_times=[20.0] * 10,
+        block_samples=[1000] * 10,
+        block_times=[20.0] * 10,
+        precision=0.9,
+        recall=0.8,
+        f1=0.85,
+        underflow=[(0, 0.2), (10, 0.3)],
+    )
+    amp = report.ModeResult(
+        "torch-amp",
+        samples_per_epoch=1000,
+        epoch_times=[10.0] * 10,
+        block_samples=[1000] * 10,
+        block_times=[10.0] * 10,
+    )
     lines = report.seed_comparison([fp32, amp], full_epochs=10, full_samples=1000)
     assert lines[1].endswith("333 s | fp32 200.0 s")  # the full run: nothing extrapolated
     assert lines[2].endswith("141 s | torch-amp 100.0 s")
@@ -515,8 +650,9 @@ def bench_package(tmp_path):
 
 def test_runner_discovers_and_classifies_modules(bench_package):
     assert runner.discover(bench_package) == ["bench_alpha", "bench_beta", "bench_broken", "bench_gpu_only"]
-    runs = {name: runner.run_module(name, bench_package, timeout=60)
-            for name in runner.discover(bench_package)}
+    runs = {
+        name: runner.run_module(name, bench_package, timeout=60) for name in runner.discover(bench_package)
+    }
     assert runs["bench_alpha"].status == "ok" and len(runs["bench_alpha"].rows) == 2
     assert runs["bench_gpu_only"].status == "skipped" and runs["bench_gpu_only"].message == "needs CUDA"
     assert runs["bench_broken"].status == "failed" and "boom" in runs["bench_broken"].message
@@ -527,8 +663,11 @@ def test_runner_discovers_and_classifies_modules(bench_package):
 
 
 def test_runner_ratios_table_and_plot(bench_package, tmp_path):
-    rows = [row for name in ("bench_alpha", "bench_beta")
-            for row in runner.run_module(name, bench_package, timeout=60).rows]
+    rows = [
+        row
+        for name in ("bench_alpha", "bench_beta")
+        for row in runner.run_module(name, bench_package, timeout=60).rows
+    ]
     runner.add_ratios(rows)
     torch_row = next(row for row in rows if row["impl"] == "torch")
     assert torch_row["fusedamp_speedup"] == pytest.approx(1.5)
@@ -540,15 +679,17 @@ def test_runner_ratios_table_and_plot(bench_package, tmp_path):
     if importlib.util.find_spec("matplotlib"):
         assert runner.plot_rows(rows, str(tmp_path / "bench.png"), "test")
         assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert not runner.plot_rows([{"bench": "x", "case": "", "impl": "", "time_ms": 1.0}],
-                                str(tmp_path / "none.png"), "test")
+    assert not runner.plot_rows(
+        [{"bench": "x", "case": "", "impl": "", "time_ms": 1.0}], str(tmp_path / "none.png"), "test"
+    )
 
 
 def test_runner_main_exit_status(monkeypatch, bench_package, tmp_path, capsys):
     monkeypatch.setattr(runner, "PACKAGE_DIR", bench_package)
     monkeypatch.setattr(runner, "discover", lambda: ["bench_alpha", "bench_gpu_only"])
-    monkeypatch.setattr(runner, "run_module",
-                        lambda name, timeout: runner_run_module(name, bench_package, timeout=60))
+    monkeypatch.setattr(
+        runner, "run_module", lambda name, timeout: runner_run_module(name, bench_package, timeout=60)
+    )
     out_json = tmp_path / "all.json"
     assert runner.main(["--json", str(out_json), "--plot", str(tmp_path / "all.png")]) == 0
     saved = json.loads(out_json.read_text())

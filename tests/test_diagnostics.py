@@ -38,8 +38,14 @@ def random_grads(seed: int) -> list[torch.Tensor]:
     # in every float dtype; one tensor spans several CPU chunks (2^15 elements each).
     generator = torch.Generator().manual_seed(seed)
     grads = []
-    for numel, dtype in ((1, torch.float32), (1000, torch.float16), (100_003, torch.float32),
-                         (4097, torch.bfloat16), (0, torch.float32), (70_000, torch.float16)):
+    for numel, dtype in (
+        (1, torch.float32),
+        (1000, torch.float16),
+        (100_003, torch.float32),
+        (4097, torch.bfloat16),
+        (0, torch.float32),
+        (70_000, torch.float16),
+    ):
         exponent = torch.rand(numel, generator=generator, dtype=torch.float64) * 40 - 34
         sign = torch.where(torch.rand(numel, generator=generator) < 0.5, -1.0, 1.0).double()
         values = sign * torch.exp2(exponent)
@@ -60,8 +66,11 @@ def test_grad_stats_matches_plain_pytorch(inv_scale):
     for layer, grad in zip(stats.layers(), grads, strict=True):
         counts, max_abs = reference_stats(grad, multiplier)
         assert layer.numel == grad.numel()
-        assert [round(layer.underflow_fp16 * max(grad.numel(), 1)),
-                round(layer.subnormal_fp16 * max(grad.numel(), 1)), layer.non_finite] == counts
+        assert [
+            round(layer.underflow_fp16 * max(grad.numel(), 1)),
+            round(layer.subnormal_fp16 * max(grad.numel(), 1)),
+            layer.non_finite,
+        ] == counts
         assert layer.max_abs == pytest.approx(max_abs, rel=1e-6)
     total = stats.total()
     everything = torch.cat([g.double() for g in grads])
@@ -100,8 +109,12 @@ def test_grad_stats_opcheck():
     "grads, inv_scale, error, message",
     [
         ([torch.zeros(3, dtype=torch.int32)], None, TypeError, r"grads\[0\] has dtype Int"),
-        ([torch.zeros(3), torch.zeros(8)[::2]], None, RuntimeError,
-         r"grads\[1\] has gaps or overlaps in memory"),
+        (
+            [torch.zeros(3), torch.zeros(8)[::2]],
+            None,
+            RuntimeError,
+            r"grads\[1\] has gaps or overlaps in memory",
+        ),
         ([torch.zeros(3)], torch.tensor(1.0, dtype=torch.float64), TypeError, "inv_scale must be a float32"),
         ([torch.zeros(3)], torch.ones(2), RuntimeError, "inv_scale must hold exactly one element"),
     ],

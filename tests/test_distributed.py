@@ -303,16 +303,27 @@ def test_torchrun_example_trains_and_checkpoints(tmp_path: Path) -> None:
     """examples/train_ddp.py under torchrun, two CPU processes (gloo): it trains, logs from
     rank 0 only, and leaves a checkpoint that loads with weights_only=True at the last step."""
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     for attempt in range(2):
         # A fresh directory and port per attempt: a retry must not resume the first checkpoint.
         checkpoint = tmp_path / f"run{attempt}" / "checkpoint.pt"
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-            str(root / "examples" / "train_ddp.py"), "--steps=4", "--batch-size=8",
-            "--save-every=2", "--log-every=2", f"--checkpoint={checkpoint}",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(root / "examples" / "train_ddp.py"),
+            "--steps=4",
+            "--batch-size=8",
+            "--save-every=2",
+            "--log-every=2",
+            f"--checkpoint={checkpoint}",
         ]
         completed = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
         # gloo now and then aborts a process at interpreter exit, after all the work is done:

@@ -18,15 +18,25 @@ import fusedamp
 from fusedamp import FusedAdamW, FusedSGD
 
 PAIRS = [
-    pytest.param(FusedAdamW, torch.optim.AdamW, {"lr": 0.1, "betas": (0.5, 0.75), "weight_decay": 0.1},
-                 id="adamw"),
-    pytest.param(FusedAdamW, torch.optim.AdamW, {"lr": 0.1, "amsgrad": True, "maximize": True},
-                 id="adamw-amsgrad-maximize"),
+    pytest.param(
+        FusedAdamW, torch.optim.AdamW, {"lr": 0.1, "betas": (0.5, 0.75), "weight_decay": 0.1}, id="adamw"
+    ),
+    pytest.param(
+        FusedAdamW,
+        torch.optim.AdamW,
+        {"lr": 0.1, "amsgrad": True, "maximize": True},
+        id="adamw-amsgrad-maximize",
+    ),
     pytest.param(FusedSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, id="sgd"),
-    pytest.param(FusedSGD, torch.optim.SGD, {"lr": 0.2, "momentum": 0.5, "nesterov": True, "maximize": True},
-                 id="sgd-nesterov-maximize"),
-    pytest.param(FusedSGD, torch.optim.SGD, {"lr": 0.2, "momentum": 0.5, "dampening": 0.25},
-                 id="sgd-dampening"),
+    pytest.param(
+        FusedSGD,
+        torch.optim.SGD,
+        {"lr": 0.2, "momentum": 0.5, "nesterov": True, "maximize": True},
+        id="sgd-nesterov-maximize",
+    ),
+    pytest.param(
+        FusedSGD, torch.optim.SGD, {"lr": 0.2, "momentum": 0.5, "dampening": 0.25}, id="sgd-dampening"
+    ),
 ]
 
 
@@ -115,12 +125,12 @@ def test_grad_in_another_layout_than_its_param_is_unscaled_and_written_back(cls)
 
 
 @pytest.mark.parametrize(("fused_cls", "torch_cls", "options"), PAIRS)
-@pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": False}, {"foreach": True}, {"fused": False},
-                                   {"differentiable": False}])
+@pytest.mark.parametrize(
+    "flags",
+    [{"fused": True}, {"foreach": False}, {"foreach": True}, {"fused": False}, {"differentiable": False}],
+)
 def test_torch_implementation_keywords_are_accepted(fused_cls, torch_cls, options, flags):
-    fused_params, torch_params, fused = step_both(
-        fused_cls, torch_cls, options, small_param, **flags
-    )
+    fused_params, torch_params, fused = step_both(fused_cls, torch_cls, options, small_param, **flags)
     for param, reference in zip(fused_params, torch_params, strict=True):
         torch.testing.assert_close(param, reference, rtol=1e-5, atol=1e-6)
     for key, value in flags.items():
@@ -146,7 +156,9 @@ def test_differentiable_true_is_a_clear_error(cls) -> None:
 @pytest.mark.parametrize(("fused_cls", "torch_cls", "options"), PAIRS)
 def test_float64_params_match_torch(fused_cls, torch_cls, options):
     fused_params, torch_params, fused = step_both(
-        fused_cls, torch_cls, options,
+        fused_cls,
+        torch_cls,
+        options,
         lambda seed: torch.randn(4, 33, generator=torch.Generator().manual_seed(seed), dtype=torch.float64),
     )
     for param, reference in zip(fused_params, torch_params, strict=True):
@@ -161,7 +173,9 @@ def test_float64_params_match_torch(fused_cls, torch_cls, options):
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
 def test_complex_params_match_torch(fused_cls, torch_cls, options, dtype):
     fused_params, torch_params, fused = step_both(
-        fused_cls, torch_cls, options,
+        fused_cls,
+        torch_cls,
+        options,
         lambda seed: torch.randn(3, 17, generator=torch.Generator().manual_seed(seed), dtype=dtype),
     )
     tolerance = 1e-5 if dtype == torch.complex64 else 1e-13
@@ -181,12 +195,17 @@ def float64_model(seed: int) -> nn.Module:
 @pytest.mark.parametrize(
     ("make_opt", "make_torch_opt"),
     [
-        pytest.param(lambda p: FusedAdamW(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01),
-                     id="fused-adamw"),
-        pytest.param(lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
-                     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), id="fused-sgd"),
-        pytest.param(lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05),
-                     id="torch-sgd"),
+        pytest.param(
+            lambda p: FusedAdamW(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01), id="fused-adamw"
+        ),
+        pytest.param(
+            lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+            id="fused-sgd",
+        ),
+        pytest.param(
+            lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05), id="torch-sgd"
+        ),
     ],
 )
 def test_float64_grads_under_the_scaler_match_torchs_scaler(make_opt, make_torch_opt) -> None:
@@ -236,7 +255,10 @@ def test_named_params_are_accepted_like_torch() -> None:
 
 def test_tensor_weight_decay_is_accepted_by_fused_sgd() -> None:
     fused_params, torch_params, _ = step_both(
-        FusedSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, small_param,
+        FusedSGD,
+        torch.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9},
+        small_param,
         weight_decay=torch.tensor(0.0),
     )
     for param, reference in zip(fused_params, torch_params, strict=True):

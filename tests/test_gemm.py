@@ -91,12 +91,21 @@ def test_leading_dims_are_flattened_like_linear():
         (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).bfloat16()), TypeError, "same"),
         (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(4, 4).half()), RuntimeError, "K"),
         (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4, 1).half()), RuntimeError, "2-D"),
-        (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(), torch.randn(5).half()),
-         RuntimeError, "bias must have shape"),
-        (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(), activation="tanh"),
-         ValueError, "activation"),
-        (lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(),
-                          out_dtype=torch.bfloat16), TypeError, "out_dtype"),
+        (
+            lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(), torch.randn(5).half()),
+            RuntimeError,
+            "bias must have shape",
+        ),
+        (
+            lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(), activation="tanh"),
+            ValueError,
+            "activation",
+        ),
+        (
+            lambda: ops.gemm(torch.randn(2, 3).half(), torch.randn(3, 4).half(), out_dtype=torch.bfloat16),
+            TypeError,
+            "out_dtype",
+        ),
     ],
 )
 def test_bad_arguments_name_the_problem(call, error, match):
@@ -113,8 +122,9 @@ def test_opcheck(keep, activation, out_dtype):
     b.requires_grad_()
     bias = torch.randn(5, requires_grad=True)
     torch.library.opcheck(torch.ops.fusedamp.gemm.default, (a, b, bias, activation, out_dtype, keep))
-    torch.library.opcheck(torch.ops.fusedamp.gemm.default, (a.detach(), b.detach(), None,
-                                                             activation, out_dtype, keep))
+    torch.library.opcheck(
+        torch.ops.fusedamp.gemm.default, (a.detach(), b.detach(), None, activation, out_dtype, keep)
+    )
 
 
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
@@ -139,8 +149,9 @@ def test_preactivation_gradient_flows():
     a, b = (t.requires_grad_() for t in operands(4, 3, 5, torch.bfloat16, False, False))
     out, preact = ops.gemm_with_preactivation(a, b, None, "relu")
     preact.sum().backward()
-    torch.testing.assert_close(a.grad.float(), torch.ones(4, 3) @ b.detach().float().t(),
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        a.grad.float(), torch.ones(4, 3) @ b.detach().float().t(), rtol=1e-2, atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -16,8 +16,12 @@ from fusedamp import _C, ops
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SIZES = [1, 7, 8, 63, 64, 65, 127, 129, 1000, 4096]
-ACTIVATIONS = {"none": lambda z: z, "relu": F.relu, "gelu": F.gelu,
-               "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+ACTIVATIONS = {
+    "none": lambda z: z,
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+}
 
 
 def backends() -> list[str]:
@@ -56,9 +60,11 @@ def poison_allocator() -> None:
 
 
 # Sizes for M, N, K sampled to keep the run in minutes: every size appears in every position.
-SHAPES = sorted({(m, n, k) for m, n, k in zip(SIZES, SIZES[3:] + SIZES[:3], SIZES[6:] + SIZES[:6],
-                                               strict=True)}
-                | {(s, s, s) for s in SIZES if s <= 1000} | {(4096, 4096, 4096)})
+SHAPES = sorted(
+    {(m, n, k) for m, n, k in zip(SIZES, SIZES[3:] + SIZES[:3], SIZES[6:] + SIZES[:6], strict=True)}
+    | {(s, s, s) for s in SIZES if s <= 1000}
+    | {(4096, 4096, 4096)}
+)
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -151,6 +157,7 @@ def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
 def operand(rows: int, cols: int, unit: str, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
     """A (rows, cols) view cut out of a larger buffer: unit stride along "cols" (leading dim a
     multiple of 8 past cols, as buf[:, :k]) or along "rows" (a transposed such view)."""
+
     def pad(n: int) -> int:
         return (n + 7) // 8 * 8 + 8
 
@@ -159,8 +166,9 @@ def operand(rows: int, cols: int, unit: str, dtype: torch.dtype, g: torch.Genera
     return torch.randn(cols + 3, pad(rows), device="cuda", generator=g).to(dtype)[:cols, :rows].t()
 
 
-def assert_within_float64_bound(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                                bias: torch.Tensor | None) -> None:
+def assert_within_float64_bound(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     """|out - exact| <= 2 (K + 2) eps32 (|A| |B| + |bias|) + eps_out |exact|: the fp32 accumulation of
     K exact products (an fp32 ulp per addition, twice over for Tensor Cores that truncate), the
     bias addition, then one rounding to out's dtype. A lost or doubled product, an element read
@@ -173,8 +181,11 @@ def assert_within_float64_bound(out: torch.Tensor, a: torch.Tensor, b: torch.Ten
         magnitude += bias.double().abs()
     k = a.shape[-1]
     out_info = torch.finfo(out.dtype)
-    bound = (2 * (k + 2) * torch.finfo(torch.float32).eps * magnitude + out_info.eps * exact.abs()
-             + out_info.tiny * out_info.eps)
+    bound = (
+        2 * (k + 2) * torch.finfo(torch.float32).eps * magnitude
+        + out_info.eps * exact.abs()
+        + out_info.tiny * out_info.eps
+    )
     error = (out.reshape(exact.shape).double() - exact).abs()
     assert out.shape == (*a.shape[:-1], b.shape[1])
     worst = (error / bound).nan_to_num(1e9).max().item()

@@ -51,8 +51,9 @@ pytestmark = [
 def sass_by_arch_and_kernel() -> dict[tuple[str, str], str]:
     """{(arch, mangled kernel name): its SASS} for every kernel in fusedamp._C."""
     env = dict(os.environ, PATH=os.path.dirname(NVDISASM) + os.pathsep + os.environ["PATH"])
-    dump = subprocess.run([CUOBJDUMP, "-sass", _C.__file__], capture_output=True, text=True,
-                          env=env, check=True).stdout
+    dump = subprocess.run(
+        [CUOBJDUMP, "-sass", _C.__file__], capture_output=True, text=True, env=env, check=True
+    ).stdout
     kernels: dict[tuple[str, str], str] = {}
     arch = name = None
     for line in dump.splitlines():

@@ -51,8 +51,9 @@ def test_swizzle_128b_is_a_permutation_within_rows():
             assert len({offsets[(row0 + r) * 8 + c] // 16 % 8 for r in range(8)}) == 8
 
 
-def _ldmatrix(tile: torch.Tensor, lanes: list[tuple[int, int]], row0: int, chunk0: int,
-              trans: bool) -> list[list[tuple[int, int]]]:
+def _ldmatrix(
+    tile: torch.Tensor, lanes: list[tuple[int, int]], row0: int, chunk0: int, trans: bool
+) -> list[list[tuple[int, int]]]:
     """What ldmatrix.x4 gives each lane: per register, two elements of `tile` (values are
     encoded positions). Lane i addresses row i % 8 of matrix i // 8."""
     out = [[] for _ in range(32)]
@@ -198,9 +199,15 @@ def test_wgmma_descriptor_fields():
     assert desc >> 62 == 1  # 128-byte swizzle
 
 
-@pytest.mark.parametrize("activation,reference", [
-    (0, lambda z: z), (1, F.relu), (2, F.gelu), (3, lambda z: F.gelu(z, approximate="tanh")),
-])
+@pytest.mark.parametrize(
+    "activation,reference",
+    [
+        (0, lambda z: z),
+        (1, F.relu),
+        (2, F.gelu),
+        (3, lambda z: F.gelu(z, approximate="tanh")),
+    ],
+)
 def test_epilogue_activation_matches_torch(activation, reference):
     z = torch.linspace(-8, 8, 1001)
     got = torch.tensor(_C.testing.gemm_activation(z.tolist(), activation))

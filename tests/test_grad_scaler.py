@@ -475,6 +475,7 @@ def misuse_cases() -> dict[str, Callable]:
         "empty_state_dict": lambda cls: cls("cpu").load_state_dict({}),
     }
     for method in ("unscale_", "step", "update"):
+
         def before_scale(cls, method=method):
             args = [] if method == "update" else [torch.optim.SGD(make_model().parameters(), lr=0.1)]
             getattr(cls("cpu"), method)(*args)

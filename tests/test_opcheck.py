@@ -36,8 +36,27 @@ def optimizer_lists(device: str, dtype: torch.dtype, master_dtype: torch.dtype |
 def test_adamw_opcheck(device: str, dtype: torch.dtype, master_dtype: torch.dtype | None) -> None:
     params, grads, (m, v, vmax), masters, steps = optimizer_lists(device, dtype, master_dtype)
     scalar = torch.tensor(0.5, device=device)
-    args = (params, grads, m, v, vmax, masters, steps, 1e-3, None, 0.9, 0.999, 1e-8, 0.01, True,
-            False, scalar, torch.zeros((), device=device), scalar.clone(), True)
+    args = (
+        params,
+        grads,
+        m,
+        v,
+        vmax,
+        masters,
+        steps,
+        1e-3,
+        None,
+        0.9,
+        0.999,
+        1e-8,
+        0.01,
+        True,
+        False,
+        scalar,
+        torch.zeros((), device=device),
+        scalar.clone(),
+        True,
+    )
     torch.library.opcheck(torch.ops.fusedamp.adamw_.default, args)
 
 
@@ -46,8 +65,24 @@ def test_adamw_opcheck(device: str, dtype: torch.dtype, master_dtype: torch.dtyp
 def test_sgd_opcheck(device: str, dtype: torch.dtype, master_dtype: torch.dtype | None) -> None:
     params, grads, (buffers, _, _), masters, steps = optimizer_lists(device, dtype, master_dtype)
     lr = torch.tensor(0.1, device=device)
-    args = (params, grads, buffers, masters, steps, 0.0, lr, 0.9, 0.1, 1e-4, True, False, None,
-            None, None, True)
+    args = (
+        params,
+        grads,
+        buffers,
+        masters,
+        steps,
+        0.0,
+        lr,
+        0.9,
+        0.1,
+        1e-4,
+        True,
+        False,
+        None,
+        None,
+        None,
+        True,
+    )
     torch.library.opcheck(torch.ops.fusedamp.sgd_.default, args)
 
 

@@ -393,7 +393,6 @@ def test_step_returns_the_closure_loss() -> None:
 # --- CUDA (runs on a GPU machine) ------------------------------------------------------------
 
 
-
 @needs_cuda
 @pytest.mark.parametrize(
     ("dtype", "master_weights"),

@@ -156,10 +156,13 @@ def test_any_found_inf_but_zero_skips_the_step(cls, dtype, found_inf) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("cls", "torch_cls", "options"), [
-    (FusedAdamW, torch.optim.AdamW, {"lr": 0.1}),
-    (FusedSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-])
+@pytest.mark.parametrize(
+    ("cls", "torch_cls", "options"),
+    [
+        (FusedAdamW, torch.optim.AdamW, {"lr": 0.1}),
+        (FusedSGD, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    ],
+)
 def test_torch_grad_scaler_drives_the_fused_step(cls, torch_cls, options, dtype) -> None:
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).to(dtype)
