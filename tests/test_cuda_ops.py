@@ -1,4 +1,6 @@
-"""The CUDA kernels against the CPU backend (the reference) and plain float64 torch math.
+"""The CUDA kernels against the CPU backend beyond tests/op_table.py (which runs every op's
+samples on both and compares them with float64): misaligned views, chunk boundaries, more tensors
+than one launch takes, streams, multi-step optimizer runs and bitwise agreement.
 
 Every test builds its inputs on CPU, runs the op on a CPU copy and a CUDA copy, and compares.
 Values computed with one fp32 multiply (unscaled grads, steps, found_inf) must match bitwise;
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from op_table import master_value
 
 import fusedamp.ops as ops
 
@@ -21,9 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 CUDA = "cuda"
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# One block covers 65536 elements: 65537 takes two, the second with one element.
-SIZES = [1, 7, 65537]
-# Empty tensors first, last, consecutive and between non-empty ones.
+# Empty tensors first, last, consecutive and between non-empty ones; one block covers 65536
+# elements: 65537 takes two, the second with one element.
 SIZES_WITH_EMPTY = [0, 1, 0, 0, 7, 65537, 0]
 TOLERANCE = {
     torch.float32: {"rtol": 1e-5, "atol": 1e-6},
@@ -175,19 +177,6 @@ def run_check(grads: list[torch.Tensor], device: str, inv_scale: float | None, s
     return found_inf, sum_of_squares
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("inv_scale", [None, 2.0**-10, 0.3])
-def test_check_and_norm_matches_cpu_and_float64(dtype: torch.dtype, inv_scale: float | None) -> None:
-    grads = grads_of([dtype] * len(SIZES_WITH_EMPTY), SIZES_WITH_EMPTY)
-    cpu_found, cpu_sum = run_check(grads, "cpu", inv_scale, start=1.5)
-    cuda_found, cuda_sum = run_check(grads, CUDA, inv_scale, start=1.5)
-    multiplier = 1.0 if inv_scale is None else inv_scale
-    reference = 1.5 + sum(float((g.double() * multiplier).square().sum()) for g in grads)
-    assert cuda_found.item() == cpu_found.item() == 0.0
-    assert cuda_sum.item() == pytest.approx(cpu_sum.item(), rel=1e-5)
-    assert cuda_sum.item() == pytest.approx(reference, rel=1e-5)
-
-
 def test_check_and_norm_is_bitwise_reproducible() -> None:
     generator = torch.Generator().manual_seed(4)
     sizes = torch.randint(0, 300_000, (60,), generator=generator).tolist() + [0, 5] * 300
@@ -315,13 +304,6 @@ def flat_tensors(tensors: dict[str, list]) -> list[torch.Tensor]:
     return [t for key, value in tensors.items() for t in (sum(value, []) if key == "states" else value)]
 
 
-def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master a bf16 param and its int16 remainder encode (math/master.h)."""
-    high = bits(param.cpu()).to(torch.int64) & 0xFFFF
-    combined = ((high << 16) + remainder.cpu().to(torch.int64)) & 0xFFFFFFFF
-    return torch.where(combined >= 2**31, combined - 2**32, combined).to(torch.int32).view(torch.float32)
-
-
 def assert_optimizer_results_match(cuda: dict[str, list], cpu: dict[str, list], master: str | None) -> None:
     for key in ("params", "masters"):
         for u, c in zip(cuda[key], cpu[key], strict=True):
@@ -332,7 +314,7 @@ def assert_optimizer_results_match(cuda: dict[str, list], cpu: dict[str, list], 
         for up, ur, cp, cr in zip(
             cuda["params"], cuda["masters"], cpu["params"], cpu["masters"], strict=True
         ):
-            assert_close(join_remainder(up, ur), join_remainder(cp, cr))
+            assert_close(master_value(up, ur), master_value(cp, cr))
     if master == "fp32":
         # The param is always its master rounded to nearest even.
         for p, m in zip(cuda["params"], cuda["masters"], strict=True):
@@ -554,42 +536,6 @@ def test_non_finite_grad_skips_the_fused_step(bad: float) -> None:
     assert_bits_unchanged(flat_tensors(t), before)
 
 
-def test_adamw_fp32_matches_float64_reference() -> None:
-    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[0], SIZES, 3, seed=13)
-    lr, beta1, beta2, eps, weight_decay, multiplier = 1e-2, 0.8, 0.95, 1e-6, 0.1, 0.5 * 0.7
-    result = run_adamw(tensors, CUDA, amsgrad=True, maximize=True, inv=0.5, clip=0.7)
-    for i in range(len(SIZES)):
-        param, exp_avg, exp_avg_sq, max_exp_avg_sq = (
-            t.double() for t in (tensors["params"][i], *(s[i] for s in tensors["states"]))
-        )
-        grad = -tensors["grads"][i].double() * multiplier
-        step = tensors["steps"][i].item() + 1
-        param = param - lr * weight_decay * param
-        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-        max_exp_avg_sq = torch.maximum(max_exp_avg_sq, exp_avg_sq)
-        denom = max_exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step) + eps
-        param = param - lr / (1 - beta1**step) * exp_avg / denom
-        assert_close(result["params"][i], param.float())
-        assert_close(result["states"][0][i], exp_avg.float())
-        assert_close(result["states"][2][i], max_exp_avg_sq.float())
-
-
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_sgd_fp32_matches_float64_reference(nesterov: bool) -> None:
-    tensors = optimizer_tensors(OPTIMIZER_CONFIGS[0], SIZES, 1, seed=14)
-    lr, momentum, dampening, weight_decay, multiplier = 1e-2, 0.9, 0.0 if nesterov else 0.1, 0.01, 0.5
-    result = run_sgd(tensors, CUDA, nesterov=nesterov, dampening=dampening, inv=0.5)
-    for i in range(len(SIZES)):
-        param, buffer = tensors["params"][i].double(), tensors["states"][0][i].double()
-        grad = tensors["grads"][i].double() * multiplier + weight_decay * param
-        first_step = tensors["steps"][i].item() == 0
-        buffer = grad if first_step else momentum * buffer + (1 - dampening) * grad
-        update = grad + momentum * buffer if nesterov else buffer
-        assert_close(result["params"][i], (param - lr * update).float())
-        assert_close(result["states"][0][i], buffer.float())
-
-
 # --- optimizers, bitwise against CPU -----------------------------------------------------------
 # With hyperparameters that are powers of two (betas 0.5, lr 2^-6, ...) and grads of at most 8
 # significant bits, every product in the update is exact: whether a compiler fuses a * b + c
@@ -625,7 +571,7 @@ def assert_optimizer_results_bitwise(cuda: dict[str, list], cpu: dict[str, list]
     for up, um, cp, cm in zip(cuda["params"], cuda["masters"], cpu["params"], cpu["masters"], strict=True):
         if master == "remainder":
             # The fp32 master the pair encodes; a NaN master's remainder bits depend on its payload.
-            assert_bitwise(join_remainder(up, um), join_remainder(cp, cm))
+            assert_bitwise(master_value(up, um), master_value(cp, cm))
         else:
             assert_bitwise(um, cm)
 

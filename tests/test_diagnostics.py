@@ -1,8 +1,9 @@
-"""fusedamp.diagnostics (the grad_stats op against plain PyTorch, ScaleHistory, advice) and
-fusedamp.half_model."""
+"""fusedamp.diagnostics (grad_stats per layer and in total against the op table's float64
+reference, ScaleHistory, advice) and fusedamp.half_model."""
 
 import pytest
 import torch
+from op_table import OP_TABLE, stats_grads
 from torch import nn
 
 from fusedamp import diagnostics
@@ -18,44 +19,16 @@ from fusedamp.precision import half_model
 
 
 def reference_stats(grad: torch.Tensor, inv_scale: float) -> tuple[list[int], float]:
-    """The same statistics in float64 plain PyTorch."""
-    value = grad.double()
-    finite = torch.isfinite(value)
-    # The op multiplies in fp32: do the same before comparing with the thresholds.
-    magnitude = (grad.float() * torch.tensor(inv_scale, dtype=torch.float32)).double().abs()
-    magnitude = torch.where(finite, magnitude, 0.0)
-    nonzero = magnitude > 0
-    counts = [
-        int((nonzero & (magnitude < FP16_MIN_SUBNORMAL)).sum()),
-        int((nonzero & (magnitude < FP16_MIN_NORMAL)).sum()),
-        int((~finite).sum()),
-    ]
-    return counts, float(magnitude.max()) if magnitude.numel() else 0.0
+    """The op table's float64 reference for one grad: (counts, max_abs)."""
+    expected = OP_TABLE["grad_stats"].reference([grad], torch.tensor(inv_scale))
+    return expected["counts"][0][0].tolist(), expected["max_abs"][0].item()
 
 
 def random_grads(seed: int) -> list[torch.Tensor]:
-    # Magnitudes log-uniform over 2^-34 .. 2^6, random signs, some exact zeros and non-finites,
-    # in every float dtype; one tensor spans several CPU chunks (2^15 elements each).
-    generator = torch.Generator().manual_seed(seed)
-    grads = []
-    for numel, dtype in (
-        (1, torch.float32),
-        (1000, torch.float16),
-        (100_003, torch.float32),
-        (4097, torch.bfloat16),
-        (0, torch.float32),
-        (70_000, torch.float16),
-    ):
-        exponent = torch.rand(numel, generator=generator, dtype=torch.float64) * 40 - 34
-        sign = torch.where(torch.rand(numel, generator=generator) < 0.5, -1.0, 1.0).double()
-        values = sign * torch.exp2(exponent)
-        values[torch.rand(numel, generator=generator) < 0.05] = 0.0
-        special = torch.rand(numel, generator=generator)
-        values[special < 0.002] = float("inf")
-        values[(special >= 0.002) & (special < 0.003)] = float("nan")
-        values[(special >= 0.003) & (special < 0.004)] = -float("inf")
-        grads.append(values.to(dtype))
-    return grads
+    """Every float dtype, an empty tensor, tensors of several CPU chunks (2^15 elements each)."""
+    sizes = [1, 1000, 100_003, 4097, 0, 70_000]
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.bfloat16, torch.float32, torch.float16]
+    return stats_grads(sizes, dtypes, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("inv_scale", [None, 1.0, 2.0**-16, 8.0])
@@ -90,38 +63,6 @@ def test_grad_stats_raw_op_counts_and_tensor_inv_scale():
     # Scaled by 2^10, then unscaled by the op: the same answer.
     counts, max_abs = torch.ops.fusedamp.grad_stats([grad * 1024], torch.tensor([2.0**-10]))
     assert counts.tolist() == [[1, 2, 1]] and max_abs.tolist() == [3.0]
-
-
-def test_grad_stats_reads_channels_last_grads():
-    grad = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last) * 1e-8
-    counts, max_abs = torch.ops.fusedamp.grad_stats([grad], None)
-    expected, largest = reference_stats(grad.contiguous(), 1.0)
-    assert counts.tolist() == [expected] and max_abs.item() == pytest.approx(largest)
-
-
-def test_grad_stats_opcheck():
-    grads = [torch.randn(10), torch.randn(3, 4).half(), torch.randn(5).bfloat16()]
-    torch.library.opcheck(torch.ops.fusedamp.grad_stats, (grads, torch.tensor(0.5)))
-    torch.library.opcheck(torch.ops.fusedamp.grad_stats, (grads, None))
-
-
-@pytest.mark.parametrize(
-    "grads, inv_scale, error, message",
-    [
-        ([torch.zeros(3, dtype=torch.int32)], None, TypeError, r"grads\[0\] has dtype Int"),
-        (
-            [torch.zeros(3), torch.zeros(8)[::2]],
-            None,
-            RuntimeError,
-            r"grads\[1\] has gaps or overlaps in memory",
-        ),
-        ([torch.zeros(3)], torch.tensor(1.0, dtype=torch.float64), TypeError, "inv_scale must be a float32"),
-        ([torch.zeros(3)], torch.ones(2), RuntimeError, "inv_scale must hold exactly one element"),
-    ],
-)
-def test_grad_stats_rejects_bad_inputs(grads, inv_scale, error, message):
-    with pytest.raises(error, match=message):
-        torch.ops.fusedamp.grad_stats(grads, inv_scale)
 
 
 def test_grad_stats_of_a_module_names_layers_and_skips_missing_grads():
@@ -174,7 +115,9 @@ def test_advice_reflects_the_statistics():
     assert advice(grad_stats(grads))[0].startswith("fp16 needs a loss scaler here: 100.00%")
 
 
-class Net(nn.Module):
+class ConvNormNet(nn.Module):
+    """Conv, batch norm, layer norm and linear layers: what half_model keeps in fp32 or not."""
+
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(1, 4, 3)
@@ -192,8 +135,8 @@ class Net(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_model_keeps_norms_fp32_and_trains(dtype):
     torch.manual_seed(0)
-    model = Net()
-    reference = Net()
+    model = ConvNormNet()
+    reference = ConvNormNet()
     reference.load_state_dict(model.state_dict())
     conv_weight = model.conv.weight
     assert half_model(model, dtype) is model
@@ -213,13 +156,17 @@ def test_half_model_keeps_norms_fp32_and_trains(dtype):
 
 
 def test_half_model_options():
-    model = half_model(Net(), torch.bfloat16, keep_norm_fp32=False, cast_inputs=False, cast_outputs=False)
+    model = half_model(
+        ConvNormNet(), torch.bfloat16, keep_norm_fp32=False, cast_inputs=False, cast_outputs=False
+    )
     assert model.bn.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
     out = model(torch.randn(2, 1, 5, 5, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be torch.float16 or torch.bfloat16"):
-        half_model(Net(), torch.float64)
+        half_model(ConvNormNet(), torch.float64)
 
 
 def test_diagnostics_exports():
-    assert diagnostics.FP16_MIN_SUBNORMAL == 2.0**-24 and diagnostics.FP16_MAX == 65504.0
+    # The thresholds of the op table's grad_stats reference.
+    assert FP16_MIN_SUBNORMAL == 2.0**-24 and FP16_MIN_NORMAL == 2.0**-14
+    assert diagnostics.FP16_MAX == 65504.0
