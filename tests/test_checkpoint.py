@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import MixedPrecisionNet, amp_train, seeded_batch
 from torch import nn
 
 import fusedamp
@@ -22,56 +23,40 @@ STOP_AT = 4
 OVERFLOW_STEPS = (2, 5)
 
 
-class Net(nn.Module):
+def build(
+    device: str, optimizer: str
+) -> tuple[MixedPrecisionNet, torch.optim.Optimizer, fusedamp.GradScaler]:
     """An fp32 layer, a bf16 layer with an fp32 master, a bf16 layer with a remainder."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fp32 = nn.Linear(6, 8)
-        self.master = nn.Linear(8, 8).to(torch.bfloat16)
-        self.remainder = nn.Linear(8, 3).to(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(self.fp32(x))
-        hidden = torch.relu(self.master(hidden.to(torch.bfloat16)))
-        return self.remainder(hidden)
-
-
-def build(device: str, optimizer: str) -> tuple[Net, torch.optim.Optimizer, fusedamp.GradScaler]:
-    torch.manual_seed(0)
-    model = Net().to(device)
-    groups = [
-        {"params": list(model.fp32.parameters())},
-        {"params": list(model.master.parameters()), "master_weights": True},
-        {"params": list(model.remainder.parameters()), "master_weights": "remainder"},
-    ]
+    model = MixedPrecisionNet().to(device)
     opt: torch.optim.Optimizer
     if optimizer == "adamw":
-        opt = fusedamp.FusedAdamW(groups, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+        opt = fusedamp.FusedAdamW(model.param_groups(), lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
     else:
-        opt = fusedamp.FusedSGD(groups, lr=1e-2, momentum=0.9, nesterov=True)
+        opt = fusedamp.FusedSGD(model.param_groups(), lr=1e-2, momentum=0.9, nesterov=True)
     scaler = fusedamp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     return model, opt, scaler
 
 
 def train(
-    model: Net, opt: torch.optim.Optimizer, scaler: fusedamp.GradScaler, steps: range, device: str
+    model: MixedPrecisionNet,
+    opt: torch.optim.Optimizer,
+    scaler: fusedamp.GradScaler,
+    steps: range,
+    device: str,
 ) -> None:
-    for step in steps:
-        generator = torch.Generator().manual_seed(1000 + step)
-        inputs = torch.randn(16, 6, generator=generator).to(device)
-        target = torch.randn(16, 3, generator=generator).to(device)
-        opt.zero_grad()
-        with fusedamp.autocast(device, dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(model(inputs).float(), target)
-        scaler.scale(loss).backward()
+    """bf16 autocast; an inf in a grad of the master layer at OVERFLOW_STEPS."""
+
+    def overflow(step: int) -> None:
         if step in OVERFLOW_STEPS:
             model.master.weight.grad[0, 0] = float("inf")
-        scaler.step(opt)
-        scaler.update()
+
+    log = amp_train(
+        model, opt, scaler, steps, lambda step: seeded_batch(1000 + step, 16, model, device), corrupt=overflow
+    )
+    assert log.skipped == [step in OVERFLOW_STEPS for step in steps]
 
 
-def checkpoint(model: Net, opt: torch.optim.Optimizer, scaler: fusedamp.GradScaler) -> bytes:
+def checkpoint(model: MixedPrecisionNet, opt: torch.optim.Optimizer, scaler: fusedamp.GradScaler) -> bytes:
     buffer = io.BytesIO()
     torch.save(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "scaler": scaler.state_dict()},

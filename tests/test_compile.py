@@ -7,16 +7,16 @@ real fused optimizers, with fp32 masters, bf16 remainders, fused clipping and an
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from helpers import MixedPrecisionNet, amp_train, seeded_batch
 from torch import nn
 
 import fusedamp
 
 STEPS = 5
 OVERFLOW_STEP = 3
+FEATURES = (4, 8, 8, 2)
 
 
 def train(
@@ -25,46 +25,30 @@ def train(
     """Five steps; ``compile_with`` None is eager, else the backend of the step function (the
     forward compiles with aot_eager: inductor's C++ build of it would only cost time)."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(torch.bfloat16)
-    groups = [
-        {"params": list(model[0].parameters()), "master_weights": True},
-        {"params": list(model[2].parameters()), "master_weights": "remainder"},
-    ]
+    model = MixedPrecisionNet(FEATURES)
     opt: torch.optim.Optimizer
     if optimizer == "adamw":
-        opt = fusedamp.FusedAdamW(groups, lr=1e-2, max_grad_norm=1.0)
+        opt = fusedamp.FusedAdamW(model.param_groups(), lr=1e-2, max_grad_norm=1.0)
     else:
-        opt = fusedamp.FusedSGD(groups, lr=1e-2, momentum=0.9, max_grad_norm=1.0)
+        opt = fusedamp.FusedSGD(model.param_groups(), lr=1e-2, momentum=0.9, max_grad_norm=1.0)
     scaler = fusedamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
 
-    def scaled_loss(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = (model(inputs).float() - target).square().mean()
-        return scaler.scale(loss)
+    def overflow(step: int) -> None:
+        if step == OVERFLOW_STEP:
+            model.master.weight.grad[0, 0] = float("nan")
 
-    def step_and_update() -> torch.Tensor:
-        if unscale_first:
-            scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        return scaler.step_skipped
-
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = scaled_loss
-    step: Callable[[], torch.Tensor] = step_and_update
-    if compile_with is not None:
-        forward = torch.compile(scaled_loss, backend="aot_eager", fullgraph=True)
-        step = torch.compile(step_and_update, backend=compile_with, fullgraph=True)
-    skipped = []
-    for index in range(STEPS):
-        generator = torch.Generator().manual_seed(index)
-        inputs = torch.randn(8, 4, generator=generator).to(torch.bfloat16)
-        target = torch.randn(8, 2, generator=generator)
-        opt.zero_grad()
-        forward(inputs, target).backward()
-        if index == OVERFLOW_STEP:
-            model[0].weight.grad[0, 0] = float("nan")
-        skipped.append(bool(step()))
-    return model, skipped, scaler.get_scale()
+    log = amp_train(
+        model,
+        opt,
+        scaler,
+        range(STEPS),
+        lambda step: seeded_batch(step, 8, model),
+        corrupt=overflow,
+        autocast=None,
+        compile_with=compile_with,
+        unscale_first=unscale_first,
+    )
+    return model, log.skipped, scaler.get_scale()
 
 
 @pytest.mark.parametrize(
@@ -82,6 +66,6 @@ def test_compiled_scaled_step_matches_eager(backend: str, optimizer: str, unscal
     for eager, compiled in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
         assert torch.equal(eager, compiled)
     # The model did train (the comparison is not between two untouched models).
-    torch.manual_seed(0)
-    initial = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(torch.bfloat16)
-    assert not torch.equal(initial[0].weight, compiled_model[0].weight)
+    initial = MixedPrecisionNet(FEATURES)
+    for layer in ("fp32", "master", "remainder"):
+        assert not torch.equal(getattr(initial, layer).weight, getattr(compiled_model, layer).weight)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import MixedPrecisionNet, amp_train
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -35,28 +36,14 @@ OVERFLOW_STEP = 3
 OVERFLOW_ROW = GLOBAL_BATCH // WORLD_SIZE + 1
 TIMEOUT_S = 120
 OPTIMIZERS = ("adamw", "sgd")
+# An fp32 layer and a bf16 one (fp32 master in the optimizer).
+FEATURES = (6, 16, 3)
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    # An fp32 layer and a bf16 one (fp32 master in the optimizer).
-    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3).to(torch.bfloat16))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = make_model()
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = self.layers[1](self.layers[0](inputs))
-        return self.layers[2](hidden.to(torch.bfloat16)).float()
 
 
 def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
@@ -84,37 +71,30 @@ def train(
     rank 1 only; elsewhere the inputs are finite at every step.
     """
     scaler = fusedamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
-    skipped, scales, unchanged_by_skip = [], [], None
-    first_weight = model.module.layers[0].weight if hasattr(model, "module") else model.layers[0].weight
-    for step in range(STEPS):
+    first_weight = model.module.fp32.weight if hasattr(model, "module") else model.fp32.weight
+
+    def rows_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, target = batch(step)
         if sharded_overflow:
             inputs = inputs.nan_to_num(posinf=0.0)
-        opt.zero_grad()
-        with fusedamp.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(model(inputs[rows]), target[rows])
-        scaler.scale(loss).backward()
-        if sharded_overflow and step == OVERFLOW_STEP:
-            grad = first_weight.grad
-            if isinstance(grad, DTensor):
-                if dist.get_rank() == 1:
-                    grad.to_local()[0, 0] = float("inf")
-            else:
-                grad[8, 0] = float("inf")
-        before = [param.detach().clone() for param in model.parameters()]
-        scaler.step(opt)
-        scaler.update()
-        skipped.append(bool(scaler.step_skipped))
-        scales.append(scaler.get_scale())
-        if step == OVERFLOW_STEP:
-            unchanged_by_skip = all(
-                torch.equal(old, new) for old, new in zip(before, model.parameters(), strict=True)
-            )
+        return inputs[rows], target[rows]
+
+    def overflow(step: int) -> None:
+        if not (sharded_overflow and step == OVERFLOW_STEP):
+            return
+        grad = first_weight.grad
+        if isinstance(grad, DTensor):
+            if dist.get_rank() == 1:
+                grad.to_local()[0, 0] = float("inf")
+        else:
+            grad[8, 0] = float("inf")
+
+    log = amp_train(model, opt, scaler, range(STEPS), rows_of, corrupt=overflow)
     return {
         "params": [param.detach().clone() for param in model.parameters()],
-        "skipped": skipped,
-        "scales": scales,
-        "unchanged_by_skip": unchanged_by_skip,
+        "skipped": log.skipped,
+        "scales": log.scales,
+        "unchanged_by_skip": not log.changed[OVERFLOW_STEP],
     }
 
 
@@ -127,7 +107,7 @@ def train_fsdp2(rows: slice) -> dict[str, Any]:
     """FSDP2 on this rank: each layer sharded (the fp32 one and the bf16 one, whose optimizer
     state holds the fp32 master of the local shard), FusedAdamW updating the local shards."""
     model = sharded_net()
-    assert isinstance(model.layers[0].weight, DTensor)
+    assert isinstance(model.fp32.weight, DTensor)
     opt = make_fsdp2_optimizer(model)
     result = train(model, opt, rows, sharded_overflow=True)
     # The full params, gathered, for comparison with the unsharded run.
@@ -136,15 +116,15 @@ def train_fsdp2(rows: slice) -> dict[str, Any]:
     return result
 
 
-def sharded_net() -> Net:
-    model = Net()
-    fully_shard(model.layers[0])
-    fully_shard(model.layers[2])
+def sharded_net() -> MixedPrecisionNet:
+    model = MixedPrecisionNet(FEATURES)
+    for layer in model.layers():
+        fully_shard(layer)
     fully_shard(model)
     return model
 
 
-def resume_sharded(model: Net, opt: torch.optim.Optimizer, rows: slice) -> bool:
+def resume_sharded(model: MixedPrecisionNet, opt: torch.optim.Optimizer, rows: slice) -> bool:
     """Each rank's optimizer state_dict (its shards' steps, moments and masters: plain tensors)
     through torch.save / torch.load(weights_only=True) into a fresh sharded model and optimizer;
     whether one more step of both gives bitwise the same local shards."""
@@ -181,7 +161,7 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
             per_rank = GLOBAL_BATCH // WORLD_SIZE
             result = {}
             for optimizer in OPTIMIZERS:
-                model = DistributedDataParallel(Net())
+                model = DistributedDataParallel(MixedPrecisionNet(FEATURES))
                 opt = make_optimizer(model, optimizer)
                 result[optimizer] = train(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
             result["fsdp2"] = train_fsdp2(rows=slice(rank * per_rank, (rank + 1) * per_rank))
@@ -252,7 +232,7 @@ def test_ddp_matches_one_process_and_skips_overflow_on_every_rank(
     the gradient sums), identical on both ranks; the inf in rank 1's inputs reaches rank 0
     through DDP's gradient all-reduce, so both ranks skip that step and back the scale off."""
     ranks = [result[optimizer] for result in ddp_results]
-    model = Net()
+    model = MixedPrecisionNet(FEATURES)
     single = train(model, make_optimizer(model, optimizer), slice(0, GLOBAL_BATCH))
 
     expected_skips = [step == OVERFLOW_STEP for step in range(STEPS)]
@@ -263,7 +243,7 @@ def test_ddp_matches_one_process_and_skips_overflow_on_every_rank(
         assert result["scales"] == single["scales"] == [256.0, 512.0, 512.0, 256.0, 256.0, 512.0]
     for param0, param1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(param0, param1)
-    initial = list(Net().parameters())
+    initial = list(MixedPrecisionNet(FEATURES).parameters())
     for got, want, start in zip(ranks[0]["params"], single["params"], initial, strict=True):
         # Under autocast the weight grads are bf16 sums over 8 rows averaged across ranks
         # against sums over 16 rows: they differ by bf16 roundings (2^-8 relative), which the
@@ -280,7 +260,7 @@ def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict
     The gathered weights match one unsharded process on the global batch, and each rank's
     optimizer state_dict round-trips through torch.load(weights_only=True) to the same next step."""
     ranks = [result["fsdp2"] for result in ddp_results]
-    model = Net()
+    model = MixedPrecisionNet(FEATURES)
     single = train(model, make_fsdp2_optimizer(model), slice(0, GLOBAL_BATCH), sharded_overflow=True)
 
     expected_skips = [step == OVERFLOW_STEP for step in range(STEPS)]
@@ -292,7 +272,7 @@ def test_fsdp2_matches_one_process_and_combines_found_inf(ddp_results: list[dict
         assert result["resumed_step_equal"] is True
     for param0, param1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(param0, param1)
-    initial = list(Net().parameters())
+    initial = list(MixedPrecisionNet(FEATURES).parameters())
     for got, want, start in zip(ranks[0]["params"], single["params"], initial, strict=True):
         assert got.dtype == start.dtype and got.shape == start.shape
         assert (got.float() - start.float()).abs().max() > 1e-2

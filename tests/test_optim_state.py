@@ -30,7 +30,7 @@ def make_model(dtype: torch.dtype) -> list[Tensor]:
     return [torch.randn(n, generator=generator).to(dtype).requires_grad_() for n in SIZES]
 
 
-def train(
+def step_on_seeded_grads(
     opt: torch.optim.Optimizer, params: list[Tensor], steps: range, grad_dtype: torch.dtype | None = None
 ) -> None:
     """Steps with grads that depend only on the step index, so runs can be split and resumed.
@@ -60,17 +60,17 @@ def saved(obj: Any) -> Any:
 def test_resuming_from_a_state_dict_is_bitwise_identical_to_not_stopping(cls, dtype, options) -> None:
     straight_params = make_model(dtype)
     straight = cls(straight_params, **options)
-    train(straight, straight_params, range(20))
+    step_on_seeded_grads(straight, straight_params, range(20))
 
     first_params = make_model(dtype)
     first = cls(first_params, **options)
-    train(first, first_params, range(10))
+    step_on_seeded_grads(first, first_params, range(10))
     checkpoint = saved({"params": [p.detach() for p in first_params], "optim": first.state_dict()})
 
     resumed_params = [p.clone().requires_grad_() for p in checkpoint["params"]]
     resumed = cls(resumed_params)  # the hyperparameters come from the state_dict
     resumed.load_state_dict(checkpoint["optim"])
-    train(resumed, resumed_params, range(10, 20))
+    step_on_seeded_grads(resumed, resumed_params, range(10, 20))
 
     for straight_param, resumed_param in zip(straight_params, resumed_params, strict=True):
         assert torch.equal(bits(straight_param), bits(resumed_param))
@@ -84,11 +84,11 @@ def test_resuming_from_a_state_dict_is_bitwise_identical_to_not_stopping(cls, dt
 def test_loaded_state_is_copied_not_shared() -> None:
     params = make_model(torch.bfloat16)
     opt = FusedAdamW(params)
-    train(opt, params, range(2))
+    step_on_seeded_grads(opt, params, range(2))
     other_params = [p.detach().clone().requires_grad_() for p in params]
     other = FusedAdamW(other_params)
     other.load_state_dict(opt.state_dict())
-    train(other, other_params, range(2, 3))
+    step_on_seeded_grads(other, other_params, range(2, 3))
     assert opt.state[params[0]]["step"].item() == 2.0 and other.state[other_params[0]]["step"].item() == 3.0
     assert not torch.equal(opt.state[params[3]]["master"], other.state[other_params[3]]["master"])
 
@@ -96,7 +96,7 @@ def test_loaded_state_is_copied_not_shared() -> None:
 def test_load_casts_state_to_each_params_device_and_dtype() -> None:
     params = make_model(torch.bfloat16)
     opt = FusedAdamW(params, amsgrad=True)
-    train(opt, params, range(3))
+    step_on_seeded_grads(opt, params, range(3))
     state_dict = opt.state_dict()
     # A checkpoint written by other code: float64 tensors, steps as Python numbers.
     for state in state_dict["state"].values():
@@ -113,7 +113,7 @@ def test_load_casts_state_to_each_params_device_and_dtype() -> None:
             assert state[key].shape == param.shape
     remainder_params = make_model(torch.bfloat16)
     remainder = FusedAdamW(remainder_params, master_weights="remainder")
-    train(remainder, remainder_params, range(1))
+    step_on_seeded_grads(remainder, remainder_params, range(1))
     reloaded = FusedAdamW(make_model(torch.bfloat16), master_weights="remainder")
     reloaded.load_state_dict(saved(remainder.state_dict()))
     assert all(s["master_remainder"].dtype == torch.int16 for s in reloaded.state.values())
@@ -133,7 +133,7 @@ def test_a_torch_optim_state_dict_loads(cls, torch_cls, options, dtype) -> None:
     # train 5 more steps on the same grads.
     torch_params = make_model(dtype)
     torch_opt = torch_cls(torch_params, **options)
-    train(torch_opt, torch_params, range(5))
+    step_on_seeded_grads(torch_opt, torch_params, range(5))
     ref_params = [p.detach().float().requires_grad_() for p in torch_params]
     ref = torch_cls(ref_params, **options)
     ref.load_state_dict(torch_opt.state_dict())
@@ -143,8 +143,8 @@ def test_a_torch_optim_state_dict_loads(cls, torch_cls, options, dtype) -> None:
     assert fused.param_groups[0]["lr"] == 0.1 and fused.param_groups[0]["master_weights"] is True
     for param in fused_params:
         assert all(v.dtype == torch.float32 and v.device == param.device for v in fused.state[param].values())
-    train(fused, fused_params, range(5, 10))
-    train(ref, ref_params, range(5, 10), grad_dtype=dtype)
+    step_on_seeded_grads(fused, fused_params, range(5, 10))
+    step_on_seeded_grads(ref, ref_params, range(5, 10), grad_dtype=dtype)
     for fused_param, ref_param in zip(fused_params, ref_params, strict=True):
         torch.testing.assert_close(fused.master_of(fused_param), ref_param.detach(), rtol=1e-5, atol=1e-5)
 
@@ -152,17 +152,17 @@ def test_a_torch_optim_state_dict_loads(cls, torch_cls, options, dtype) -> None:
 def test_switching_master_weights_keeps_the_fp32_master() -> None:
     kept_params, switched_params = make_model(torch.bfloat16), make_model(torch.bfloat16)
     kept, switched = FusedAdamW(kept_params, lr=0.1), FusedAdamW(switched_params, lr=0.1)
-    train(kept, kept_params, range(3))
-    train(switched, switched_params, range(3))
+    step_on_seeded_grads(kept, kept_params, range(3))
+    step_on_seeded_grads(switched, switched_params, range(3))
     switched.param_groups[0]["master_weights"] = "remainder"
-    train(kept, kept_params, range(3, 6))
-    train(switched, switched_params, range(3, 6))
+    step_on_seeded_grads(kept, kept_params, range(3, 6))
+    step_on_seeded_grads(switched, switched_params, range(3, 6))
     for kept_param, param in zip(kept_params, switched_params, strict=True):
         assert "master" not in switched.state[param]
         assert torch.equal(bits(kept.master_of(kept_param)), bits(switched.master_of(param)))
     switched.param_groups[0]["master_weights"] = True
-    train(kept, kept_params, range(6, 8))
-    train(switched, switched_params, range(6, 8))
+    step_on_seeded_grads(kept, kept_params, range(6, 8))
+    step_on_seeded_grads(switched, switched_params, range(6, 8))
     for kept_param, param in zip(kept_params, switched_params, strict=True):
         assert "master_remainder" not in switched.state[param]
         assert torch.equal(kept_param.detach(), param.detach())
@@ -172,10 +172,10 @@ def test_switching_master_weights_keeps_the_fp32_master() -> None:
 def test_deep_copies_and_pickles_keep_fusedamps_options() -> None:
     params = make_model(torch.float16)
     opt = FusedSGD(params, lr=0.1, momentum=0.9, max_grad_norm=0.5)
-    train(opt, params, range(2))
+    step_on_seeded_grads(opt, params, range(2))
     for clone in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert clone.max_grad_norm == 0.5 and clone.last_grad_norm is None
         clone_params = clone.param_groups[0]["params"]
-        train(clone, clone_params, range(2, 3))
+        step_on_seeded_grads(clone, clone_params, range(2, 3))
         assert clone.last_grad_norm is not None
         assert clone.state[clone_params[3]]["master"].dtype == torch.float32
