@@ -4,7 +4,7 @@
 #include <torch/extension.h>
 
 #include "common/gemm.h"
-#include "cpu/kernels.h"
+#include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
@@ -177,9 +177,9 @@ std::string dispatch_for_test(int32_t param_dtype, int32_t master_kind) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.def("cpu_isa", [] { return std::string(fusedamp::cpu::kernels().isa); },
+  m.def("cpu_isa", [] { return std::string(fusedamp::cpu::isa_name(fusedamp::active_cpu_isa())); },
         "The CPU kernel build in use: avx512, avx2 or baseline.");
-  m.def("set_cpu_isa", &fusedamp::cpu::set_kernels_isa, py::arg("isa"),
+  m.def("set_cpu_isa", &fusedamp::cpu::set_isa, py::arg("isa"),
         "Switch the CPU kernels to avx512, avx2 or baseline; returns the previous choice.");
   m.def("gemm_backend", &fusedamp::gemm::backend_name,
         "The CUDA gemm backend: reference, auto, mma_sync or wgmma.");

@@ -1,7 +1,11 @@
 """Facts of the build that no result test would notice: OpenMP in the CPU ops, the kernel
-dispatch failing loudly on a combination it has no kernel for."""
+dispatch failing loudly on a combination it has no kernel for, ISA code kept in its builds."""
 
 from __future__ import annotations
+
+import bisect
+import platform
+import subprocess
 
 import pytest
 import torch
@@ -42,3 +46,52 @@ def test_dispatch_picks_the_kernel_of_each_valid_combination(param_dtype, master
 def test_dispatch_fails_loudly_instead_of_running_nothing(param_dtype, master_kind, message) -> None:
     with pytest.raises(RuntimeError, match=message):
         _C.testing.dispatch_for_test(param_dtype, master_kind)
+
+
+# Instructions a baseline x86-64 CPU may lack: VEX/EVEX vector ones (all begin with "v", but for
+# the old verr/verw), AVX-512 mask ones (all begin with "k") and BMI1/BMI2.
+_BMI = set("andn bextr blsi blsmsk blsr bzhi mulx pdep pext rorx sarx shlx shrx".split())
+
+
+def _needs_newer_cpu(mnemonic: str) -> bool:
+    return (
+        (mnemonic.startswith("v") and mnemonic not in ("verr", "verw"))
+        or mnemonic.startswith("k")
+        or (mnemonic in _BMI)
+    )
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA builds exist on x86-64 only")
+def test_isa_code_stays_inside_the_isa_builds() -> None:
+    """Every function of _C built for AVX2 or AVX-512 belongs to fusedamp's avx2/avx512 namespaces.
+    A template instance or inline function compiled for an ISA outside them is one copy the
+    linker shares with every build: the baseline code (and an AVX2 CPU) could then run AVX-512."""
+    library = _C.__file__
+    symbols = []
+    nm = subprocess.run(
+        ["nm", "-C", "-S", "--defined-only", library], capture_output=True, text=True, check=True
+    )
+    for line in nm.stdout.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) == 4 and parts[2] in "tTwW":
+            symbols.append((int(parts[0], 16), int(parts[1], 16), parts[3]))
+    symbols.sort()
+    starts = [start for start, _, _ in symbols]
+    disassembly = subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", library], capture_output=True, text=True, check=True
+    ).stdout
+    offenders: dict[str, str] = {}
+    for line in disassembly.splitlines():
+        fields = line.split("\t")
+        if len(fields) < 2 or not fields[0].strip().endswith(":"):
+            continue
+        mnemonic = fields[1].split(" ", 1)[0]
+        if not _needs_newer_cpu(mnemonic):
+            continue
+        address = int(fields[0].strip()[:-1], 16)
+        index = bisect.bisect_right(starts, address) - 1
+        inside = index >= 0 and address < symbols[index][0] + symbols[index][1]
+        name = symbols[index][2] if inside else f"<no symbol at {address:#x}>"
+        if "avx512" not in name and "avx2" not in name:
+            offenders.setdefault(name, mnemonic)
+    assert not offenders, f"ISA-specific instructions outside the ISA builds: {offenders}"

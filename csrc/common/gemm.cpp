@@ -26,7 +26,7 @@ Activation parse_activation(const std::string& name) {
 
 GemmCall check_gemm_call(const at::Tensor& a, const at::Tensor& b,
                          const c10::optional<at::Tensor>& bias, const std::string& activation,
-                         c10::optional<at::ScalarType> out_dtype) {
+                         c10::optional<at::ScalarType> out_dtype, bool keep_preactivation) {
   const at::ScalarType dtype = a.scalar_type();
   TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16,
                    "fusedamp.gemm: a must be float16 or bfloat16, got ", dtype,
@@ -56,21 +56,18 @@ GemmCall check_gemm_call(const at::Tensor& a, const at::Tensor& b,
   TORCH_CHECK_TYPE(out == dtype || out == at::kFloat, "fusedamp.gemm: out_dtype must be ", dtype,
                    " (a's dtype) or float32, got ", out);
 
-  GemmCall call;
+  GemmCall call{a.device(), {}, b, bias, out, {}, {}, keep_preactivation};
   const int64_t rows = c10::multiply_integers(a.sizes().begin(), a.sizes().end() - 1);
   call.a2d = a.reshape({rows, a.size(-1)});
-  call.out_dtype = out;
   call.activation = parse_activation(activation);
   call.out_shape = a.sizes().vec();
   call.out_shape.back() = n;
   return call;
 }
 
-std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call, const at::Tensor& b,
-                                                  const c10::optional<at::Tensor>& bias,
-                                                  bool keep_preactivation) {
-  at::Tensor z = at::mm(call.a2d.to(at::kFloat), b.to(at::kFloat));
-  if (bias.has_value()) z.add_(bias->to(at::kFloat));
+std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call) {
+  at::Tensor z = at::mm(call.a2d.to(at::kFloat), call.b.to(at::kFloat));
+  if (call.bias.has_value()) z.add_(call.bias->to(at::kFloat));
   at::Tensor activated;
   switch (call.activation) {
     case Activation::kRelu: activated = at::relu(z); break;
@@ -80,10 +77,10 @@ std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call, const at
   }
   at::Tensor out = activated.to(call.out_dtype).reshape(call.out_shape);
   // A copy: with no activation and fp32 output, out may be z itself, and outputs must not alias.
-  at::Tensor preact = keep_preactivation
+  at::Tensor preact = call.keep_preactivation
                           ? z.to(call.out_dtype, /*non_blocking=*/false, /*copy=*/true)
                                 .reshape(call.out_shape)
-                                         : at::empty({0}, out.options());
+                          : at::empty({0}, out.options());
   return {out, preact};
 }
 

@@ -1,4 +1,4 @@
-// The GEMM op's argument checks, its ATen reference implementation (the CPU backend and the CUDA
+// The GEMM op's argument checks, its ATen reference implementation (the CPU kernel and the CUDA
 // fallback) and the process-wide choice of CUDA GEMM kernels.
 #pragma once
 
@@ -12,25 +12,30 @@
 
 namespace fusedamp::gemm {
 
-// A validated gemm call: a flattened to 2-D, the output dtype, the activation.
+// A validated gemm call (see registry.h): a flattened to 2-D, the other operands, the output dtype,
+// the activation.
 struct GemmCall {
-  at::Tensor a2d;            // (M, K): a with its leading dims flattened (a view when possible)
+  static constexpr const char* kOp = "gemm";
+  using Result = std::tuple<at::Tensor, at::Tensor>;  // (out, preactivation or empty)
+  c10::Device device;
+  at::Tensor a2d;  // (M, K): a with its leading dims flattened (a view when possible)
+  at::Tensor b;    // (K, N), any strides
+  c10::optional<at::Tensor> bias;
   at::ScalarType out_dtype;  // a's dtype or float32
   Activation activation;
   std::vector<int64_t> out_shape;  // a.shape[:-1] + (N,)
+  bool keep_preactivation;
 };
 
 GemmCall check_gemm_call(const at::Tensor& a, const at::Tensor& b,
                          const c10::optional<at::Tensor>& bias, const std::string& activation,
-                         c10::optional<at::ScalarType> out_dtype);
+                         c10::optional<at::ScalarType> out_dtype, bool keep_preactivation);
 
 // out = act(a @ b + bias) with fp32 accumulation on whatever device the tensors are on:
 // the operands are upcast to fp32, multiplied by ATen, biased and activated in fp32, and the
 // result (and the pre-activation, when kept) rounded once to out_dtype. Returns (out, preact),
 // preact empty unless keep_preactivation.
-std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call, const at::Tensor& b,
-                                                  const c10::optional<at::Tensor>& bias,
-                                                  bool keep_preactivation);
+std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call);
 
 // Which code computes CUDA gemms. kReference (the default until the kernels have run on a GPU)
 // always uses gemm_reference; kAuto picks wgmma on sm_90, mma.sync on other sm_80+ GPUs;

@@ -1,99 +1,75 @@
-// Argument validation shared by the CPU and CUDA backends: every check lives here once, and
-// turns the at::Tensor arguments into the plain element types the kernels take.
+// The argument rules the ops share, each written once: a check evaluates its rule a single time
+// and builds its message only when the rule fails ([note: lazy names]).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <ostream>
 #include <vector>
 
 #include "fusedamp/math/dtypes.h"
 #include "fusedamp/math/master.h"
-#include "fusedamp/math/scale.h"
+#include "fusedamp/step_inputs.h"
 
 namespace fusedamp {
 
-// fp32 / fp16 / bf16 -> DType; anything else is a TORCH_CHECK error naming `what`.
-DType float_dtype_of(const at::Tensor& tensor, const std::string& what);
+// [note: lazy names] An argument's name as the messages print it ("adamw_: grads[3]"): three
+// words, no string, so a call over thousands of tensors pays nothing for the messages of checks
+// that pass (TORCH_CHECK formats its message only on failure).
+struct ArgName {
+  const char* op;
+  const char* arg;
+  int64_t index = -1;  // the position in a list argument; -1 for a single tensor
+};
+std::ostream& operator<<(std::ostream& out, const ArgName& name);
 
-// A 0-dim (or one-element) fp32 tensor on `device`: scale, found_inf, lr, clip_coef, steps.
-void check_scalar_tensor(const at::Tensor& tensor, const char* what, const at::Device& device);
+// fp32 / fp16 / bf16 -> DType; anything else is a TypeError naming the argument.
+DType float_dtype_of(const at::Tensor& tensor, const ArgName& name);
 
-// Grads of unscale_/check_and_norm_: dense (any memory format), float dtypes, on found_inf's device.
-void check_grad_list(at::TensorList grads, const at::Tensor& found_inf, const char* op);
+// A one-element fp32 tensor on `device` (scale, found_inf, lr, clip_coef, a step count).
+void check_scalar_tensor(const at::Tensor& tensor, const ArgName& name, const at::Device& device);
 
-// What an optimizer call operates on, after validation.
-struct OptimizerCall {
+// A strided tensor on `device` without gaps or overlaps, in any memory format ([note: dense layouts]).
+void check_dense_on(const at::Tensor& tensor, const ArgName& name, const at::Device& device);
+
+void check_hyperparameter(double value, const char* name, const char* op);
+
+// Tensors an op writes (or writes one and reads another of) must not share memory.
+void check_no_shared_memory(const char* op, const std::vector<std::pair<at::TensorList, const char*>>& lists);
+
+// A list of grads of any float dtypes, each dense on `device`: returns their dtypes.
+std::vector<DType> check_grad_list(at::TensorList grads, const char* op, const at::Device& device);
+
+// The tensors of one optimizer call, after check_optimizer_lists.
+struct OptimizerLists {
   DType param_dtype;
   DType grad_dtype;
   MasterKind master_kind;
   at::Device device;
 };
 
-// Validates one AdamW or SGD call. `states` are the fp32 per-param state lists (exp_avgs,
-// exp_avg_sqs, max_exp_avg_sqs or momentum_buffers), each either empty (when `state_required`
-// is false for it) or one tensor per param.
+// An fp32 per-param state list (exp_avgs, momentum_buffers, ...): one tensor per param when
+// `required`, else either that or empty.
 struct StateList {
   at::TensorList tensors;
   const char* name;
   bool required;
 };
-OptimizerCall check_optimizer_call(const char* op, at::TensorList params, at::TensorList grads,
-                                   const std::vector<StateList>& states, at::TensorList masters,
-                                   at::TensorList steps,
-                                   const c10::optional<at::Tensor>& lr_tensor,
-                                   const c10::optional<at::Tensor>& inv_grad_scale,
-                                   const c10::optional<at::Tensor>& found_inf,
-                                   const c10::optional<at::Tensor>& clip_coef);
 
-void check_hyperparameter(double value, const char* name, const char* op);
+// The list rules of every optimizer op: one param dtype, grads of one dtype, fp32 states, masters
+// (none, fp32, or int16 remainders of bf16 params), fp32 step counts, all dense on the params'
+// device, each companion with its param's element count and element order, no shared memory.
+OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
+                                     const std::vector<StateList>& states, at::TensorList masters,
+                                     at::TensorList steps);
 
-// The complete argument checks of each op: every backend calls the one of its op first.
-void check_unscale_args(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
-void check_check_and_norm_args(at::TensorList grads, const at::Tensor& found_inf,
-                               const c10::optional<at::Tensor>& sum_of_squares,
-                               const c10::optional<at::Tensor>& inv_scale);
-// Returns the configuration update_loss_scale takes.
-LossScaleConfig check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                                        const at::Tensor& hysteresis_tracker,
-                                        const at::Tensor& found_inf, double growth_factor,
-                                        double backoff_factor, int64_t growth_interval,
-                                        int64_t hysteresis, double min_scale, double max_scale);
-OptimizerCall check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                               at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                               at::TensorList masters, at::TensorList steps, double lr,
-                               const c10::optional<at::Tensor>& lr_tensor, double beta1,
-                               double beta2, double eps, double weight_decay, bool amsgrad,
-                               const c10::optional<at::Tensor>& inv_grad_scale,
-                               const c10::optional<at::Tensor>& found_inf,
-                               const c10::optional<at::Tensor>& clip_coef);
-OptimizerCall check_sgd_args(at::TensorList params, at::TensorList grads,
-                             at::TensorList momentum_buffers, at::TensorList masters,
-                             at::TensorList steps, double lr,
-                             const c10::optional<at::Tensor>& lr_tensor, double momentum,
-                             double dampening, double weight_decay,
+// Checks the step scalars of an optimizer op on `device` (a CPU lr_tensor is read on the host and
+// may drive a step on any device) and returns them as the kernels read them.
+StepInputs check_step_inputs(const char* op, const at::Device& device, double lr,
+                             const c10::optional<at::Tensor>& lr_tensor,
                              const c10::optional<at::Tensor>& inv_grad_scale,
                              const c10::optional<at::Tensor>& found_inf,
-                             const c10::optional<at::Tensor>& clip_coef);
-
-// Columns of grad_stats' counts output: below 2^-24, below 2^-14, non-finite.
-constexpr int64_t kGradStatsCounts = 3;
-
-struct GradStatsCall {
-  std::vector<int64_t> numels;
-  std::vector<DType> dtypes;
-  at::Device device;
-};
-
-// The checks of grad_stats: grads dense (any memory format: statistics ignore the order), float
-// dtypes, one device; inv_scale, when given, a one-element float32 tensor on that device.
-GradStatsCall check_grad_stats_call(at::TensorList grads, const c10::optional<at::Tensor>& inv_scale);
-
-// Whether an optimizer step writes the grad it used back into grads: when the caller asks and
-// the step changed it (unscaled or clipped); otherwise the write would only cost bandwidth.
-inline bool step_writes_grad(bool write_unscaled_grads, const c10::optional<at::Tensor>& inv_grad_scale,
-                             const c10::optional<at::Tensor>& clip_coef) {
-  return write_unscaled_grads && (inv_grad_scale.has_value() || clip_coef.has_value());
-}
+                             const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads);
 
 }  // namespace fusedamp

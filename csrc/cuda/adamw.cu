@@ -1,48 +1,44 @@
-// CUDA backend of adamw_: one fused pass per chunk over grads, params, masters and moments.
-#include <ATen/core/Tensor.h>
+// CUDA kernel of adamw_: one fused pass per chunk over grads, params, masters and moments.
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
-#include "common/inputs.h"
+#include "common/registry.h"
 #include "cuda/multi_tensor_apply.cuh"
 #include "cuda/optimizer.cuh"
 #include "fusedamp/dispatch.h"
-#include "fusedamp/math/adamw.h"
+#include "ops/adamw.h"
 
 namespace fusedamp::cuda {
 namespace {
 
-enum AdamWList { kParam, kGrad, kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kStep, kAdamWLists };
-
 struct AdamWArgs {
   StepInputs inputs;
-  double beta1, beta2, eps, weight_decay;
-  bool amsgrad, maximize, write_grad;
+  AdamWHyperparameters hyper;
 };
 
 template <DType P, DType G, MasterKind M>
 __global__ void __launch_bounds__(kBlockThreads)
     adamw_kernel(const __grid_constant__ ChunkMetadata<kAdamWLists> meta, const AdamWArgs args) {
   constexpr int E = kOptimizerElements;
-  if (step_skipped(args.inputs.found_inf)) return;
+  if (step_skipped(args.inputs)) return;
   const ChunkLocation chunk = this_chunk(meta);
   // The coefficients need two pows in double: once per block, not per thread.
   __shared__ AdamWCoefficients shared_coefficients;
   if (threadIdx.x == 0) {
-    const float step = *static_cast<const float*>(meta.pointers[kStep][chunk.slot]);
-    shared_coefficients = adamw_coefficients(step_lr(args.inputs), args.beta1, args.beta2, args.eps,
-                                             args.weight_decay, args.maximize, double(step) + 1.0);
+    const float step = *static_cast<const float*>(meta.pointers[kAdamWStep][chunk.slot]);
+    const AdamWHyperparameters& h = args.hyper;
+    shared_coefficients = adamw_coefficients(step_lr(args.inputs), h.beta1, h.beta2, h.eps,
+                                             h.weight_decay, h.maximize, double(step) + 1.0);
   }
   __syncthreads();
   const AdamWCoefficients coefficients = shared_coefficients;
   const float multiplier = grad_multiplier(args.inputs);
 
-  auto* param = chunk_pointer<storage_t<P>>(meta, kParam, chunk);
-  auto* grad = chunk_pointer<storage_t<G>>(meta, kGrad, chunk);
-  auto* master = chunk_pointer<master_storage_t<M>>(meta, kMaster, chunk);
-  auto* exp_avg = chunk_pointer<float>(meta, kExpAvg, chunk);
-  auto* exp_avg_sq = chunk_pointer<float>(meta, kExpAvgSq, chunk);
-  auto* max_exp_avg_sq = chunk_pointer<float>(meta, kMaxExpAvgSq, chunk);
+  auto* param = chunk_pointer<storage_t<P>>(meta, kAdamWParam, chunk);
+  auto* grad = chunk_pointer<storage_t<G>>(meta, kAdamWGrad, chunk);
+  auto* master = chunk_pointer<master_storage_t<M>>(meta, kAdamWMaster, chunk);
+  auto* exp_avg = chunk_pointer<float>(meta, kAdamWExpAvg, chunk);
+  auto* exp_avg_sq = chunk_pointer<float>(meta, kAdamWExpAvgSq, chunk);
+  auto* max_exp_avg_sq = chunk_pointer<float>(meta, kAdamWMaxExpAvgSq, chunk);
   const int count = int(chunk.count);
   const bool aligned = all_aligned<E>(param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq);
   for_each_group<E>(count, aligned, [&](int first, bool vector) {
@@ -56,65 +52,44 @@ __global__ void __launch_bounds__(kBlockThreads)
     if constexpr (M != MasterKind::kNone) master_group.load(master, first, count, vector);
     exp_avg_group.load(exp_avg, first, count, vector);
     exp_avg_sq_group.load(exp_avg_sq, first, count, vector);
-    if (args.amsgrad) max_exp_avg_sq_group.load(max_exp_avg_sq, first, count, vector);
+    if (args.hyper.amsgrad) max_exp_avg_sq_group.load(max_exp_avg_sq, first, count, vector);
 
     const AdamWTensorPointers registers{param_group.values,   grad_group.values,
                                         master_group.values,  exp_avg_group.values,
                                         exp_avg_sq_group.values, max_exp_avg_sq_group.values};
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      adamw_element<P, G, M>(registers, j, coefficients, multiplier, args.write_grad, args.amsgrad);
+      adamw_element<P, G, M>(registers, j, coefficients, multiplier, args.inputs.write_grad,
+                             args.hyper.amsgrad);
     }
 
     param_group.store(param, first, count, vector);
     if constexpr (M != MasterKind::kNone) master_group.store(master, first, count, vector);
     exp_avg_group.store(exp_avg, first, count, vector);
     exp_avg_sq_group.store(exp_avg_sq, first, count, vector);
-    if (args.amsgrad) max_exp_avg_sq_group.store(max_exp_avg_sq, first, count, vector);
-    if (args.write_grad) grad_group.store(grad, first, count, vector);
+    if (args.hyper.amsgrad) max_exp_avg_sq_group.store(max_exp_avg_sq, first, count, vector);
+    if (args.inputs.write_grad) grad_group.store(grad, first, count, vector);
   });
 }
 
-void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, at::TensorList masters,
-                at::TensorList steps, double lr, const c10::optional<at::Tensor>& lr_tensor,
-                double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
-                bool maximize, const c10::optional<at::Tensor>& inv_grad_scale,
-                const c10::optional<at::Tensor>& found_inf,
-                const c10::optional<at::Tensor>& clip_coef, bool write_unscaled_grads) {
-  const OptimizerCall call = check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                              masters, steps, lr, lr_tensor, beta1, beta2, eps,
-                                              weight_decay, amsgrad, inv_grad_scale, found_inf,
-                                              clip_coef);
-  if (params.empty()) return;
+void adamw_cuda(const AdamWCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
-  const size_t count = params.size();
-  std::array<std::vector<void*>, kAdamWLists> pointers;
-  pointers[kParam] = data_pointers(params, count);
-  pointers[kGrad] = data_pointers(grads, count);
-  pointers[kMaster] = data_pointers(masters, count);
-  pointers[kExpAvg] = data_pointers(exp_avgs, count);
-  pointers[kExpAvgSq] = data_pointers(exp_avg_sqs, count);
-  pointers[kMaxExpAvgSq] = data_pointers(amsgrad ? max_exp_avg_sqs : at::TensorList(), count);
-  pointers[kStep] = data_pointers(steps, count);
-  const AdamWArgs args{step_inputs(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef),
-                       beta1, beta2, eps, weight_decay, amsgrad, maximize,
-                       step_writes_grad(write_unscaled_grads, inv_grad_scale, clip_coef)};
-  const std::vector<int64_t> numels = numels_of(params);
+  check_host_lr_not_captured(call.inputs);
+  const AdamWArgs args{call.inputs, call.hyper};
   with_float_dtype(call.param_dtype, [&](auto p) {
     with_float_dtype(call.grad_dtype, [&](auto g) {
       with_master_kind<decltype(p)::value>(call.master_kind, [&](auto m) {
         launch_chunks<kAdamWLists>(
-            adamw_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value>, pointers,
-            numels, args);
+            adamw_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value>,
+            call.lists.pointers, call.lists.numels, args);
       });
     });
   });
-  increment_steps(steps, found_inf);
+  increment_steps(call.lists.pointers[kAdamWStep], call.inputs.found_inf);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedamp, CUDA, m) { m.impl("adamw_", &adamw_cuda); }
+FUSEDAMP_REGISTER_KERNEL(CUDA, AdamWCall, adamw_cuda);
 
 }  // namespace fusedamp::cuda

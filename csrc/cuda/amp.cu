@@ -1,16 +1,15 @@
-// CUDA backend of the AMP gradient ops: unscale_, check_and_norm_ and update_scale_.
+// CUDA kernels of the AMP gradient ops: unscale_, check_and_norm_ and update_scale_.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 
-#include "common/inputs.h"
+#include "common/registry.h"
 #include "cuda/multi_tensor_apply.cuh"
 #include "fusedamp/dispatch.h"
-#include "fusedamp/math/scale.h"
 #include "fusedamp/math/unscale.h"
+#include "ops/amp.h"
 
 namespace fusedamp::cuda {
 namespace {
@@ -19,26 +18,6 @@ namespace {
 // for fp32), so that even the read-only check keeps enough bytes in flight to saturate HBM; at
 // ~32 registers, eight 256-thread blocks fit on an SM.
 constexpr int kGradElements = 16;
-
-// Sum over the block in a fixed order (shuffle tree per warp, then the warps in order), so that
-// the result is the same run to run. Complete in thread 0 only.
-template <typename T>
-__device__ T block_sum(T value) {
-  constexpr int kWarps = kBlockThreads / 32;
-  __shared__ T warp_sums[kWarps];
-  const int lane = int(threadIdx.x) % 32;
-  const int warp = int(threadIdx.x) / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  if (lane == 0) warp_sums[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    value = lane < kWarps ? warp_sums[lane] : T(0);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
-  }
-  return value;
-}
 
 struct UnscaleArgs {
   float* found_inf;
@@ -67,7 +46,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 struct CheckArgs {
   float* found_inf;
   const float* inv_scale;  // null: multiplier 1
-  float* partial_sums;     // one per block of the call; null: no norm wanted
+  double* partial_sums;    // one per block of the call; null: no norm wanted
 };
 
 template <DType G>
@@ -91,103 +70,79 @@ __global__ void __launch_bounds__(kBlockThreads)
   });
   if (__syncthreads_or(found) && threadIdx.x == 0) *args.found_inf = 1.0f;
   if (args.partial_sums != nullptr) {
-    const float block_total = block_sum(sum_of_squares);
-    if (threadIdx.x == 0) args.partial_sums[meta.block_offset + blockIdx.x] = block_total;
+    const float block_total = block_reduce(sum_of_squares, 0.0f, Sum{});
+    if (threadIdx.x == 0) args.partial_sums[meta.block_offset + blockIdx.x] = double(block_total);
   }
 }
 
-// One block adds the partial sums, in double and in a fixed order, to sum_of_squares: the
-// deterministic end of check_and_norm_ (float + float(total), as the CPU backend's add_).
-__global__ void __launch_bounds__(kBlockThreads)
-    add_partial_sums_kernel(const float* partial_sums, int64_t count, float* sum_of_squares) {
-  double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kBlockThreads) sum += double(partial_sums[i]);
-  const double total = block_sum(sum);
-  if (threadIdx.x == 0) *sum_of_squares += float(total);
-}
+// Where the sums of check_and_norm_'s reduction go: each tensor's to its slot, the total added
+// to sum_of_squares as float + float(total), as the CPU kernel does.
+struct StoreSum {
+  double* sums;
+  __device__ void operator()(int64_t index, double value) const { sums[index] = value; }
+};
+struct AddToFloat {
+  float* target;
+  __device__ void operator()(int64_t, double value) const { *target += float(value); }
+};
 
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32_t* hysteresis_left,
                                     const float* found_inf, const LossScaleConfig config) {
   update_loss_scale(*scale, *growth_tracker, *hysteresis_left, *found_inf, config);
 }
 
-// The grads of one element type: a launch (a kernel instantiation) per type in the list.
-struct GradGroup {
-  DType dtype;
-  std::array<std::vector<void*>, 1> pointers;
-  std::vector<int64_t> numels;
-};
-
-// The grads were checked already: float_dtype_of cannot fail here.
-std::vector<GradGroup> group_by_dtype(at::TensorList grads) {
-  std::vector<GradGroup> groups;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const DType dtype = float_dtype_of(grads[i], "grads");
-    auto group = std::find_if(groups.begin(), groups.end(),
-                              [&](const GradGroup& g) { return g.dtype == dtype; });
-    if (group == groups.end()) group = groups.insert(groups.end(), GradGroup{dtype, {}, {}});
-    group->pointers[0].push_back(grads[i].data_ptr());
-    group->numels.push_back(grads[i].numel());
-  }
-  return groups;
-}
-
-void unscale_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  check_unscale_args(grads, found_inf, inv_scale);
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  const UnscaleArgs args{found_inf.data_ptr<float>(), inv_scale.data_ptr<float>()};
-  for (const GradGroup& group : group_by_dtype(grads)) {
+void unscale_cuda(const UnscaleCall& call) {
+  const c10::cuda::CUDAGuard guard(call.device);
+  const UnscaleArgs args{call.found_inf, call.inv_scale};
+  for (const GradGroup& group : group_by_dtype(call.grads, call.dtypes)) {
     with_float_dtype(group.dtype, [&](auto g) {
       launch_chunks<1>(unscale_kernel<decltype(g)::value>, group.pointers, group.numels, args);
     });
   }
 }
 
-void check_and_norm_cuda(at::TensorList grads, const at::Tensor& found_inf,
-                         const c10::optional<at::Tensor>& sum_of_squares,
-                         const c10::optional<at::Tensor>& inv_scale) {
-  check_check_and_norm_args(grads, found_inf, sum_of_squares, inv_scale);
-  const c10::cuda::CUDAGuard guard(found_inf.device());
-  const std::vector<GradGroup> groups = group_by_dtype(grads);
+// The grads' blocks write their sums of squares; reduce_per_tensor sums each grad's in block order
+// ([note: per-tensor reduction]), and one more segment adds the grads' sums in list order.
+void check_and_norm_cuda(const CheckAndNormCall& call) {
+  const c10::cuda::CUDAGuard guard(call.device);
+  const std::vector<GradGroup> groups = group_by_dtype(call.grads, call.dtypes);
+  const auto on_device = at::TensorOptions().device(call.device).dtype(at::kDouble);
   int64_t blocks = 0;
   for (const GradGroup& group : groups) blocks += total_chunks(group.numels);
-  at::Tensor partial_sums;
-  if (sum_of_squares) partial_sums = at::empty({blocks}, found_inf.options());
-  CheckArgs args{found_inf.data_ptr<float>(), inv_scale ? inv_scale->data_ptr<float>() : nullptr,
-                 sum_of_squares ? partial_sums.data_ptr<float>() : nullptr};
+  const int64_t count = int64_t(call.dtypes.size());
+  at::Tensor partial_sums, tensor_sums;
+  if (call.sum_of_squares) {
+    partial_sums = at::empty({blocks}, on_device);
+    tensor_sums = at::empty({count}, on_device);
+  }
+  CheckArgs args{call.found_inf, call.inv_scale,
+                 call.sum_of_squares ? partial_sums.data_ptr<double>() : nullptr};
   for (const GradGroup& group : groups) {
     with_float_dtype(group.dtype, [&](auto g) {
       launch_chunks<1>(check_kernel<decltype(g)::value>, group.pointers, group.numels, args);
     });
-    if (args.partial_sums != nullptr) args.partial_sums += total_chunks(group.numels);
+    if (args.partial_sums == nullptr) continue;
+    reduce_per_tensor(args.partial_sums, group.numels, group.indices, 0.0, Sum{},
+                      StoreSum{tensor_sums.data_ptr<double>()});
+    args.partial_sums += total_chunks(group.numels);
   }
-  if (sum_of_squares) {
-    add_partial_sums_kernel<<<1, kBlockThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        partial_sums.data_ptr<float>(), blocks, sum_of_squares->data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (call.sum_of_squares && count > 0) {
+    reduce_segments(tensor_sums.const_data_ptr<double>(), {Segment{0, int32_t(count), 0}}, 0.0,
+                    Sum{}, AddToFloat{call.sum_of_squares});
   }
 }
 
-void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, int64_t growth_interval,
-                       int64_t hysteresis, double min_scale, double max_scale) {
-  const LossScaleConfig config = check_update_scale_args(
-      scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis, min_scale, max_scale);
-  const c10::cuda::CUDAGuard guard(scale.device());
+void update_scale_cuda(const UpdateScaleCall& call) {
+  const c10::cuda::CUDAGuard guard(call.device);
   update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-      hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), config);
+      call.scale, call.growth_tracker, call.hysteresis_tracker, call.found_inf, call.config);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedamp, CUDA, m) {
-  m.impl("unscale_", &unscale_cuda);
-  m.impl("check_and_norm_", &check_and_norm_cuda);
-  m.impl("update_scale_", &update_scale_cuda);
-}
+FUSEDAMP_REGISTER_KERNEL(CUDA, UnscaleCall, unscale_cuda);
+FUSEDAMP_REGISTER_KERNEL(CUDA, CheckAndNormCall, check_and_norm_cuda);
+FUSEDAMP_REGISTER_KERNEL(CUDA, UpdateScaleCall, update_scale_cuda);
 
 }  // namespace fusedamp::cuda

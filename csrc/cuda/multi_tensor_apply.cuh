@@ -1,15 +1,20 @@
-// The CUDA multi-tensor launcher (one block per chunk, metadata passed by value) and the
-// register staging that lets the shared per-element math run on vector loads.
+// The CUDA multi-tensor launcher (one block per chunk, metadata passed by value), the register
+// staging that lets the shared per-element math run on vector loads, and the reductions: over a
+// block, and of per-block partials per tensor.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "common/tensor_lists.h"
+#include "fusedamp/math/dtypes.h"
 #include "fusedamp/multi_tensor_plan.h"
 
 namespace fusedamp::cuda {
@@ -122,20 +127,6 @@ __device__ __forceinline__ void for_each_group(int count, bool aligned, Body&& b
   }
 }
 
-// One pointer per tensor of `tensors`, or `count` nulls for an empty (unused) list.
-inline std::vector<void*> data_pointers(at::TensorList tensors, size_t count) {
-  std::vector<void*> pointers(count, nullptr);
-  for (size_t i = 0; i < tensors.size(); ++i) pointers[i] = tensors[i].data_ptr();
-  return pointers;
-}
-
-inline std::vector<int64_t> numels_of(at::TensorList tensors) {
-  std::vector<int64_t> numels;
-  numels.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) numels.push_back(t.numel());
-  return numels;
-}
-
 inline int64_t total_chunks(const std::vector<int64_t>& numels) {
   int64_t chunks = 0;
   for (const int64_t numel : numels) chunks += chunk_count(numel, kChunkSize);
@@ -172,6 +163,144 @@ void launch_chunks(Kernel kernel, const std::array<std::vector<void*>, kLists>& 
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     block_offset += blocks;
   }
+}
+
+// The grads of one element type (a kernel instantiation each): their pointers, element counts
+// and positions in the call.
+struct GradGroup {
+  DType dtype;
+  std::array<std::vector<void*>, 1> pointers;
+  std::vector<int64_t> numels;
+  std::vector<int64_t> indices;
+};
+
+inline std::vector<GradGroup> group_by_dtype(const TensorLists<1>& grads, const std::vector<DType>& dtypes) {
+  std::vector<GradGroup> groups;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const GradGroup& g) { return g.dtype == dtypes[i]; });
+    if (group == groups.end()) group = groups.insert(groups.end(), GradGroup{dtypes[i], {}, {}, {}});
+    group->pointers[0].push_back(grads.pointers[0][i]);
+    group->numels.push_back(grads.numels[i]);
+    group->indices.push_back(int64_t(i));
+  }
+  return groups;
+}
+
+// A trivially copyable value shuffled down the warp one 32-bit word at a time, so that structs
+// of statistics reduce like plain numbers.
+template <typename T>
+__device__ __forceinline__ T shuffle_down(T value, int offset) {
+  static_assert(sizeof(T) % 4 == 0, "shuffle_down: T must be a whole number of 32-bit words");
+  constexpr int kWords = int(sizeof(T) / 4);
+  int words[kWords];
+  memcpy(words, &value, sizeof(T));
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) words[w] = __shfl_down_sync(0xffffffffu, words[w], offset);
+  memcpy(&value, words, sizeof(T));
+  return value;
+}
+
+// The block reduction: combine(a, b) over every thread's value in a fixed order (a shuffle tree
+// per warp, then the warps in order), so that the result is the same run to run. Every thread of
+// the block calls it, once per kernel; the result is complete in thread 0 only.
+template <typename T, typename Combine>
+__device__ T block_reduce(T value, const T& identity, Combine combine) {
+  constexpr int kWarps = kBlockThreads / 32;
+  // Raw storage: a __shared__ variable cannot run T's default member initializers.
+  __shared__ alignas(T) unsigned char storage[kWarps * sizeof(T)];
+  T* warp_values = reinterpret_cast<T*>(storage);
+  const int lane = int(threadIdx.x) % 32;
+  const int warp = int(threadIdx.x) / 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = combine(value, shuffle_down(value, offset));
+  if (lane == 0) warp_values[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    value = lane < kWarps ? warp_values[lane] : identity;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) value = combine(value, shuffle_down(value, offset));
+  }
+  return value;
+}
+
+struct Sum {
+  template <typename T>
+  __device__ __forceinline__ T operator()(const T& a, const T& b) const {
+    return a + b;
+  }
+};
+
+// [note: per-tensor reduction] launch_chunks numbers the blocks of one call in list order
+// (meta.block_offset + blockIdx.x), so the blocks of each tensor are consecutive. A kernel that
+// writes one partial per block, partials[block_offset + blockIdx.x], is reduced per tensor by
+// reduce_per_tensor: one block per tensor combines its partials in block order.
+constexpr int kMaxSegments = 160;
+
+struct SegmentBatch {
+  int64_t first[kMaxSegments];   // the segment's first partial
+  int64_t output[kMaxSegments];  // the output index its total is stored at
+  int32_t count[kMaxSegments];   // its partials (0: the total is the identity)
+};
+
+template <typename T, typename Combine, typename Store>
+__global__ void __launch_bounds__(kBlockThreads)
+    reduce_segments_kernel(const __grid_constant__ SegmentBatch batch, const T* partials,
+                           const T identity, const Combine combine, const Store store) {
+  const int segment = int(blockIdx.x);
+  const T* first = partials + batch.first[segment];
+  T value = identity;
+  for (int i = int(threadIdx.x); i < batch.count[segment]; i += kBlockThreads) {
+    value = combine(value, first[i]);
+  }
+  value = block_reduce(value, identity, combine);
+  if (threadIdx.x == 0) store(batch.output[segment], value);
+}
+
+// A run of consecutive partials whose combination is stored at `output`.
+struct Segment {
+  int64_t first;
+  int32_t count;  // 0: the stored value is the identity
+  int64_t output;
+};
+
+// store(segment.output, identity combined with the segment's partials in order) for every
+// segment, on the device; partials in device memory, store(index, value) a device functor.
+template <typename T, typename Combine, typename Store>
+void reduce_segments(const T* partials, const std::vector<Segment>& segments, const T& identity,
+                     Combine combine, Store store) {
+  static_assert(sizeof(SegmentBatch) + sizeof(T*) + sizeof(T) + sizeof(Combine) + sizeof(Store) <=
+                    kMaxKernelParamBytes, "reduce_segments_kernel: parameters exceed 4 KB");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (size_t begin = 0; begin < segments.size(); begin += kMaxSegments) {
+    const size_t count = std::min(segments.size() - begin, size_t(kMaxSegments));
+    SegmentBatch batch{};
+    for (size_t s = 0; s < count; ++s) {
+      batch.first[s] = segments[begin + s].first;
+      batch.count[s] = segments[begin + s].count;
+      batch.output[s] = segments[begin + s].output;
+    }
+    reduce_segments_kernel<<<unsigned(count), kBlockThreads, 0, stream>>>(batch, partials, identity,
+                                                                         combine, store);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The per-tensor reduction of a launch_chunks call over `numels` whose kernel wrote one partial
+// per block: tensor t's partials are stored at outputs[t].
+template <typename T, typename Combine, typename Store>
+void reduce_per_tensor(const T* partials, const std::vector<int64_t>& numels,
+                       const std::vector<int64_t>& outputs, const T& identity, Combine combine,
+                       Store store) {
+  std::vector<Segment> segments;
+  segments.reserve(numels.size());
+  int64_t first = 0;
+  for (size_t t = 0; t < numels.size(); ++t) {
+    const int64_t blocks = chunk_count(numels[t], kChunkSize);
+    segments.push_back({first, int32_t(blocks), outputs[t]});
+    first += blocks;
+  }
+  reduce_segments(partials, segments, identity, combine, store);
 }
 
 }  // namespace fusedamp::cuda

@@ -69,8 +69,18 @@ class AmpScalars:
     clip_coef: Tensor | None
 
     def writes_grads(self, write_unscaled_grads: bool) -> bool:
-        """Whether a step writes the grads it used back (csrc/common/inputs.h step_writes_grad)."""
+        """Whether a step writes the grads it used back (StepInputs.write_grad of the fused ops,
+        csrc/common/inputs.cpp check_step_inputs)."""
         return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
+
+    def op_keywords(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The AMP keywords of the fused step ops (ops.adamw_, ops.sgd_) for a param group."""
+        return {
+            "inv_grad_scale": self.inv_grad_scale,
+            "found_inf": self.found_inf,
+            "clip_coef": self.clip_coef,
+            "write_unscaled_grads": group["write_unscaled_grads"],
+        }
 
 
 def native_grads(bucket: Bucket, scalars: AmpScalars) -> list[Tensor]:

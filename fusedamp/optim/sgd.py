@@ -96,10 +96,7 @@ class FusedSGD(FusedOptimizer):
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            inv_grad_scale=scalars.inv_grad_scale,
-            found_inf=scalars.found_inf,
-            clip_coef=scalars.clip_coef,
-            write_unscaled_grads=group["write_unscaled_grads"],
+            **scalars.op_keywords(group),
         )
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:

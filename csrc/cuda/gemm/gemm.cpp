@@ -1,15 +1,15 @@
-// CUDA backend of fusedamp::gemm: validates, picks a kernel for the device, the code this build
-// has for it and the operands' layouts (wgmma on sm_90a, mma.sync on sm_80+, else the ATen
-// reference) and launches it.
+// CUDA kernel of fusedamp::gemm: picks a kernel for the device, the code this build has for it
+// and the operands' layouts (wgmma on sm_90a, mma.sync on sm_80+, else the ATen reference) and
+// launches it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <mutex>
 #include <unordered_map>
 
 #include "common/gemm.h"
+#include "common/registry.h"
 #include "cuda/gemm/params.h"
 
 namespace fusedamp::gemm {
@@ -85,21 +85,19 @@ Kernel pick_kernel(c10::DeviceIndex device, const Operand& a, const Operand& b, 
   return choice.kernel;
 }
 
-std::tuple<at::Tensor, at::Tensor> gemm_cuda(const at::Tensor& a, const at::Tensor& b,
-                                             const c10::optional<at::Tensor>& bias,
-                                             c10::string_view activation,
-                                             c10::optional<at::ScalarType> out_dtype,
-                                             bool keep_preactivation) {
-  const GemmCall call = check_gemm_call(a, b, bias, std::string(activation), out_dtype);
-  const c10::cuda::CUDAGuard guard(a.device());
-  const int64_t m = call.a2d.size(0), k = call.a2d.size(1), n = b.size(1);
-  const Operand a_op = describe(call.a2d);
-  const Operand b_op = describe(b);
+std::tuple<at::Tensor, at::Tensor> gemm_cuda(const GemmCall& call) {
+  const c10::cuda::CUDAGuard guard(call.device);
+  const at::Tensor& a = call.a2d;
+  const c10::optional<at::Tensor>& bias = call.bias;
+  const bool keep_preactivation = call.keep_preactivation;
+  const int64_t m = a.size(0), k = a.size(1), n = call.b.size(1);
+  const Operand a_op = describe(a);
+  const Operand b_op = describe(call.b);
   const bool out_fp32 = call.out_dtype == at::kFloat;
   const Kernel kernel = m == 0 || n == 0
                             ? Kernel::kReference
                             : pick_kernel(a.device().index(), a_op, b_op, m, n, k, out_fp32);
-  if (kernel == Kernel::kReference) return gemm_reference(call, b, bias, keep_preactivation);
+  if (kernel == Kernel::kReference) return gemm_reference(call);
 
   const at::TensorOptions options = a.options().dtype(call.out_dtype);
   at::Tensor out = at::empty({m, n}, options);
@@ -137,6 +135,6 @@ std::tuple<at::Tensor, at::Tensor> gemm_cuda(const at::Tensor& a, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fusedamp, CUDA, m) { m.impl("gemm", &gemm_cuda); }
+FUSEDAMP_REGISTER_KERNEL(CUDA, GemmCall, gemm_cuda);
 
 }  // namespace fusedamp::gemm

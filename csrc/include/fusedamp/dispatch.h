@@ -1,11 +1,21 @@
 // Turns runtime element types and flags into compile-time template arguments (host code only).
 #pragma once
 
-#include <c10/util/Exception.h>
+#include <stdint.h>
 
 #include <type_traits>
 
 #include "fusedamp/math/master.h"
+
+namespace fusedamp {
+
+// The error of a dispatch that found no kernel (param_dtype -1: not part of the message). Defined
+// once, in csrc/common/dispatch.cpp: formatting a message inline here would instantiate c10's
+// string templates in every CPU ISA build, and the linker keeps one copy of those for all builds
+// (an AVX-512 one may then run in the baseline build).
+[[noreturn]] void fail_no_kernel(const char* what, int32_t value, int32_t param_dtype = -1);
+
+}  // namespace fusedamp
 
 FUSEDAMP_NAMESPACE_BEGIN
 
@@ -23,7 +33,7 @@ inline void with_float_dtype(DType dtype, Fn&& fn) {
     case DType::kBFloat16: fn(DTypeTag<DType::kBFloat16>{}); return;
     default: break;
   }
-  TORCH_CHECK(false, "fusedamp internal error: no kernel for element type ", int32_t(dtype));
+  fail_no_kernel("element type", int32_t(dtype));
 }
 
 // Calls fn(MasterTag<kind>{}) for the combinations that exist: fp32 params have no master,
@@ -46,8 +56,7 @@ inline void with_master_kind(MasterKind kind, Fn&& fn) {
       return;
     }
   }
-  TORCH_CHECK(false, "fusedamp internal error: no kernel for master kind ", int32_t(kind),
-              " with param element type ", int32_t(P));
+  fail_no_kernel("master kind", int32_t(kind), int32_t(P));
 }
 
 template <typename Fn>

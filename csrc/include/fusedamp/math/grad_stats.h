@@ -5,12 +5,7 @@
 
 #include "fusedamp/math/dtypes.h"
 
-FUSEDAMP_NAMESPACE_BEGIN
-
-// Below the smallest fp16 subnormal a nonzero value is lost (flushes to zero or to 2^-24);
-// below the smallest fp16 normal it keeps fewer than fp16's 10 mantissa bits.
-constexpr float kFp16MinSubnormal = 0x1.0p-24f;
-constexpr float kFp16MinNormal = 0x1.0p-14f;
+namespace fusedamp {
 
 // Statistics of one tensor (or one chunk of it). Exact zeros count in neither "below" field:
 // they lose nothing in fp16.
@@ -20,6 +15,15 @@ struct GradStats {
   int64_t non_finite = 0;           // +-inf and NaN
   float max_abs = 0.0f;             // largest finite |g|
 };
+
+}  // namespace fusedamp
+
+FUSEDAMP_NAMESPACE_BEGIN
+
+// Below the smallest fp16 subnormal a nonzero value is lost (flushes to zero or to 2^-24);
+// below the smallest fp16 normal it keeps fewer than fp16's 10 mantissa bits.
+constexpr float kFp16MinSubnormal = 0x1.0p-24f;
+constexpr float kFp16MinNormal = 0x1.0p-14f;
 
 // Adds grad[index] * multiplier to `stats`; multiplier is the inverse loss scale, so the
 // statistics describe the true (unscaled) gradient. Non-finiteness is judged on the stored

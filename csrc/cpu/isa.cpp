@@ -1,0 +1,80 @@
+// The CPU kernel build in use: the best this CPU supports, or FUSEDAMP_CPU_ISA's / set_isa's.
+#include "cpu/isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <vector>
+
+#include "cpu/launcher.h"
+
+namespace fusedamp {
+namespace cpu {
+namespace {
+
+bool cpu_has(CpuIsa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (isa == CpuIsa::kAvx512) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  if (isa == CpuIsa::kAvx2) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }
+#endif
+  return isa == CpuIsa::kBaseline;
+}
+
+CpuIsa checked_isa(const std::string& name) {
+  for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kBaseline}) {
+    if (name != isa_name(isa)) continue;
+    TORCH_CHECK_VALUE(cpu_has(isa), "fusedamp: this CPU does not support the '", name, "' kernels");
+    return isa;
+  }
+  TORCH_CHECK_VALUE(false, "fusedamp: unknown CPU ISA '", name, "'; choose avx512, avx2 or baseline");
+}
+
+CpuIsa detect_isa() {
+  if (const char* forced = std::getenv("FUSEDAMP_CPU_ISA")) {
+    if (*forced) return checked_isa(forced);
+  }
+  for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    if (cpu_has(isa)) return isa;
+  }
+  return CpuIsa::kBaseline;
+}
+
+std::atomic<CpuIsa>& active_isa() {
+  static std::atomic<CpuIsa> isa{detect_isa()};
+  return isa;
+}
+
+}  // namespace
+
+const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kBaseline: return "baseline";
+  }
+  return "unknown";
+}
+
+std::string set_isa(const std::string& name) { return isa_name(active_isa().exchange(checked_isa(name))); }
+
+int64_t parallel_for_threads() {
+  std::vector<std::atomic<bool>> used(at::get_num_threads());
+  at::parallel_for(0, int64_t(used.size()) * kChunkSize, kChunkSize, [&](int64_t, int64_t) {
+    used[at::get_thread_num()].store(true);
+  });
+  int64_t count = 0;
+  for (const auto& flag : used) count += flag.load();
+  return count;
+}
+
+}  // namespace cpu
+
+CpuIsa active_cpu_isa() { return cpu::active_isa().load(); }
+
+}  // namespace fusedamp

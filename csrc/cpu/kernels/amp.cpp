@@ -1,0 +1,137 @@
+// CPU kernels of unscale_, check_and_norm_ and update_scale_ (built once per ISA, see setup.py):
+// per-chunk loops over math/unscale.h, and the drivers that run them.
+#include "ops/amp.h"
+
+#include "cpu/staging.h"
+#include "fusedamp/dispatch.h"
+#include "fusedamp/math/unscale.h"
+
+namespace fusedamp::cpu {
+inline namespace FUSEDAMP_ISA {
+namespace {
+
+template <DType G>
+bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
+  if constexpr (G != staged<G>) {
+    auto* halves = static_cast<uint16_t*>(grad);
+    float tile[kStageTile];
+    bool found = false;
+    for (int64_t first = begin; first < end; first += kStageTile) {
+      const int64_t n = std::min(kStageTile, end - first);
+      half_tile_to_float<G>(halves + first, tile, n);
+      found |= unscale_range<DType::kFloat32>(tile, 0, n, inv_scale);
+      float_tile_to_half<G>(tile, halves + first, n);
+    }
+    return found;
+  }
+  auto* typed = static_cast<storage_t<G>*>(grad);
+  int32_t found = 0;
+#pragma omp simd reduction(| : found)
+  for (int64_t i = begin; i < end; ++i) found |= int32_t(unscale_element<G>(typed, i, inv_scale));
+  return found != 0;
+}
+
+template <DType G>
+GradCheck check_range(const void* grad, int64_t begin, int64_t end, float multiplier) {
+  if constexpr (G != staged_read<G>) {
+    const auto* halves = static_cast<const uint16_t*>(grad);
+    float tile[kStageTile];
+    GradCheck result;
+    for (int64_t first = begin; first < end; first += kStageTile) {
+      const int64_t n = std::min(kStageTile, end - first);
+      half_tile_to_float<G>(halves + first, tile, n);
+      const GradCheck part = check_range<DType::kFloat32>(tile, 0, n, multiplier);
+      result.sum_of_squares += part.sum_of_squares;
+      result.found_non_finite |= part.found_non_finite;
+    }
+    return result;
+  }
+  const auto* typed = static_cast<const storage_t<G>*>(grad);
+  int32_t found = 0;
+  float sum = 0.0f;
+#pragma omp simd reduction(| : found) reduction(+ : sum)
+  for (int64_t i = begin; i < end; ++i) {
+    float square = 0.0f;
+    found |= int32_t(check_element<G>(typed, i, multiplier, square));
+    sum += square;
+  }
+  return {sum, found != 0};
+}
+
+bool unscale_chunk(const UnscaleCall& call, int64_t tensor, int64_t begin, int64_t end) {
+  bool found = false;
+  with_float_dtype(call.dtypes[tensor], [&](auto g) {
+    found = unscale_range<g.value>(call.grads.pointers[0][tensor], begin, end, *call.inv_scale);
+  });
+  return found;
+}
+
+GradCheck check_chunk(const CheckAndNormCall& call, int64_t tensor, int64_t begin, int64_t end) {
+  GradCheck result;
+  const float multiplier = call.inv_scale ? *call.inv_scale : 1.0f;
+  with_float_dtype(call.dtypes[tensor], [&](auto g) {
+    result = check_range<g.value>(call.grads.pointers[0][tensor], begin, end, multiplier);
+  });
+  return result;
+}
+
+}  // namespace
+}  // namespace FUSEDAMP_ISA
+
+FUSEDAMP_REGISTER_CPU_CHUNK(UnscaleCall, unscale_chunk);
+FUSEDAMP_REGISTER_CPU_CHUNK(CheckAndNormCall, check_chunk);
+
+#ifdef FUSEDAMP_CPU_DRIVER
+namespace {
+
+void unscale_cpu(const UnscaleCall& call) {
+  const UnscaleCall::CpuChunk chunk = cpu_chunk<UnscaleCall>();
+  std::atomic<bool> found{false};
+  for_each_chunk(call.grads.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
+    if (chunk(call, tensor, begin, end)) found.store(true);
+  });
+  if (found.load()) *call.found_inf = 1.0f;
+}
+
+// Sums in double, per tensor in chunk order and then over the tensors: the result does not
+// depend on the thread count.
+struct TensorCheck {
+  double sum_of_squares = 0.0;
+  bool found_non_finite = false;
+};
+
+void check_and_norm_cpu(const CheckAndNormCall& call) {
+  const CheckAndNormCall::CpuChunk chunk = cpu_chunk<CheckAndNormCall>();
+  const std::vector<TensorCheck> per_tensor = reduce_per_tensor(
+      call.grads.numels, TensorCheck{},
+      [&](int64_t tensor, int64_t begin, int64_t end) {
+        const GradCheck part = chunk(call, tensor, begin, end);
+        return TensorCheck{double(part.sum_of_squares), part.found_non_finite};
+      },
+      [](TensorCheck& into, const TensorCheck& part) {
+        into.sum_of_squares += part.sum_of_squares;
+        into.found_non_finite |= part.found_non_finite;
+      });
+  double total = 0.0;
+  bool found = false;
+  for (const TensorCheck& tensor : per_tensor) {
+    total += tensor.sum_of_squares;
+    found |= tensor.found_non_finite;
+  }
+  if (found) *call.found_inf = 1.0f;
+  if (call.sum_of_squares) *call.sum_of_squares += float(total);
+}
+
+void update_scale_cpu(const UpdateScaleCall& call) {
+  update_loss_scale(*call.scale, *call.growth_tracker, *call.hysteresis_tracker, *call.found_inf,
+                    call.config);
+}
+
+}  // namespace
+
+FUSEDAMP_REGISTER_KERNEL(CPU, UnscaleCall, unscale_cpu);
+FUSEDAMP_REGISTER_KERNEL(CPU, CheckAndNormCall, check_and_norm_cpu);
+FUSEDAMP_REGISTER_KERNEL(CPU, UpdateScaleCall, update_scale_cpu);
+#endif
+
+}  // namespace fusedamp::cpu

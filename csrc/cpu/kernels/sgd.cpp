@@ -1,0 +1,86 @@
+// CPU kernels of sgd_ (built once per ISA, see setup.py): the per-chunk loop over math/sgd.h,
+// and the driver that runs it.
+#include "ops/sgd.h"
+
+#include "cpu/staging.h"
+#include "fusedamp/dispatch.h"
+
+namespace fusedamp::cpu {
+inline namespace FUSEDAMP_ISA {
+namespace {
+
+template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
+void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients& c, float multiplier,
+               int64_t begin, int64_t end) {
+  if constexpr (P != staged_param<P, M> || G != staged<G>) {
+    float param_tile[kStageTile], grad_tile[kStageTile];
+    for (int64_t first = begin; first < end; first += kStageTile) {
+      const int64_t n = std::min(kStageTile, end - first);
+      SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
+      if (kHasMomentum) tile.momentum_buffer += first;
+      sgd_range<staged_param<P, M>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, c, multiplier, 0, n);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
+    }
+    return;
+  }
+  const SgdTensorPointers t = tensor;
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    sgd_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kHasMomentum);
+  }
+}
+
+void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t tensor,
+               int64_t begin, int64_t end) {
+  const auto& lists = call.lists.pointers;
+  const SgdTensorPointers pointers{lists[kSgdParam][tensor], lists[kSgdGrad][tensor],
+                                   lists[kSgdMaster][tensor],
+                                   static_cast<float*>(lists[kSgdMomentumBuffer][tensor])};
+  const float multiplier = grad_multiplier(call.inputs);
+  with_float_dtype(call.param_dtype, [&](auto p) {
+    with_float_dtype(call.grad_dtype, [&](auto g) {
+      with_master_kind<p.value>(call.master_kind, [&](auto m) {
+        with_bool(coefficients.momentum != 0.0f, [&](auto has_momentum) {
+          with_bool(call.inputs.write_grad, [&](auto write_grad) {
+            sgd_range<p.value, g.value, m.value, has_momentum.value, write_grad.value>(
+                pointers, coefficients, multiplier, begin, end);
+          });
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+}  // namespace FUSEDAMP_ISA
+
+FUSEDAMP_REGISTER_CPU_CHUNK(SgdCall, sgd_chunk);
+
+#ifdef FUSEDAMP_CPU_DRIVER
+namespace {
+
+void sgd_cpu(const SgdCall& call) {
+  if (step_skipped(call.inputs)) return;
+  const std::vector<void*>& steps = call.lists.pointers[kSgdStep];
+  const double lr = step_lr(call.inputs);
+  const SgdHyperparameters& h = call.hyper;
+  std::vector<SgdCoefficients> coefficients;
+  coefficients.reserve(steps.size());
+  for (void* step : steps) {
+    const bool first_step = *static_cast<float*>(step) == 0.0f;
+    coefficients.push_back(sgd_coefficients(lr, h.momentum, h.dampening, h.weight_decay,
+                                            h.nesterov, h.maximize, first_step));
+  }
+  const SgdCall::CpuChunk chunk = cpu_chunk<SgdCall>();
+  for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
+    chunk(call, coefficients[tensor], tensor, begin, end);
+  });
+  increment_steps(steps);
+}
+
+}  // namespace
+
+FUSEDAMP_REGISTER_KERNEL(CPU, SgdCall, sgd_cpu);
+#endif
+
+}  // namespace fusedamp::cpu

@@ -1,0 +1,34 @@
+// The call struct of adamw_: what its CPU and CUDA kernels receive, checked once by ops/adamw.cpp.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include "common/tensor_lists.h"
+#include "fusedamp/math/adamw.h"
+#include "fusedamp/step_inputs.h"
+
+namespace fusedamp {
+
+enum AdamWList { kAdamWParam, kAdamWGrad, kAdamWMaster, kAdamWExpAvg, kAdamWExpAvgSq,
+                 kAdamWMaxExpAvgSq, kAdamWStep, kAdamWLists };
+
+struct AdamWHyperparameters {
+  double beta1, beta2, eps, weight_decay;
+  bool amsgrad, maximize;
+};
+
+struct AdamWCall {
+  static constexpr const char* kOp = "adamw_";
+  // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
+  using CpuChunk = void (*)(const AdamWCall&, const AdamWCoefficients&, int64_t tensor,
+                            int64_t begin, int64_t end);
+  c10::Device device;
+  DType param_dtype;
+  DType grad_dtype;
+  MasterKind master_kind;
+  TensorLists<kAdamWLists> lists;  // max_exp_avg_sqs null unless amsgrad, masters null without
+  AdamWHyperparameters hyper;
+  StepInputs inputs;
+};
+
+}  // namespace fusedamp

@@ -1,0 +1,33 @@
+// The call struct of sgd_: what its CPU and CUDA kernels receive, checked once by ops/sgd.cpp.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include "common/tensor_lists.h"
+#include "fusedamp/math/sgd.h"
+#include "fusedamp/step_inputs.h"
+
+namespace fusedamp {
+
+enum SgdList { kSgdParam, kSgdGrad, kSgdMaster, kSgdMomentumBuffer, kSgdStep, kSgdLists };
+
+struct SgdHyperparameters {
+  double momentum, dampening, weight_decay;
+  bool nesterov, maximize;
+};
+
+struct SgdCall {
+  static constexpr const char* kOp = "sgd_";
+  // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
+  using CpuChunk = void (*)(const SgdCall&, const SgdCoefficients&, int64_t tensor, int64_t begin,
+                            int64_t end);
+  c10::Device device;
+  DType param_dtype;
+  DType grad_dtype;
+  MasterKind master_kind;
+  TensorLists<kSgdLists> lists;  // momentum_buffers null when momentum is 0, masters null without
+  SgdHyperparameters hyper;
+  StepInputs inputs;
+};
+
+}  // namespace fusedamp
