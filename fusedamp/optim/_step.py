@@ -73,9 +73,13 @@ class AmpScalars:
         csrc/common/inputs.cpp check_step_inputs)."""
         return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
 
-    def op_keywords(self, group: dict[str, Any]) -> dict[str, Any]:
-        """The AMP keywords of the fused step ops (ops.adamw_, ops.sgd_) for a param group."""
+    def op_keywords(self, bucket: Bucket) -> dict[str, Any]:
+        """The keywords every fused step op (ops.adamw_, ops.sgd_) takes alike, for a bucket: its
+        group's lr (on the bucket's device) and maximize, and these AMP scalars."""
+        group = bucket.group
         return {
+            "lr": lr_for_device(group["lr"], bucket.device),
+            "maximize": group["maximize"],
             "inv_grad_scale": self.inv_grad_scale,
             "found_inf": self.found_inf,
             "clip_coef": self.clip_coef,

@@ -105,14 +105,12 @@ class FusedAdamW(FusedOptimizer):
             bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
             bucket.masters(),
             bucket.state_list("step"),
-            lr=lr_for_device(group["lr"], bucket.device),
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            **scalars.op_keywords(group),
+            **scalars.op_keywords(bucket),
         )
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:

@@ -90,13 +90,11 @@ class FusedSGD(FusedOptimizer):
             bucket.state_list("momentum_buffer") if group["momentum"] != 0 else [],
             bucket.masters(),
             bucket.state_list("step"),
-            lr=lr_for_device(group["lr"], bucket.device),
             momentum=group["momentum"],
             dampening=group["dampening"],
             weight_decay=group["weight_decay"],
             nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            **scalars.op_keywords(group),
+            **scalars.op_keywords(bucket),
         )
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
