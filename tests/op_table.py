@@ -1,5 +1,4 @@
-"""The op table: one entry per fusedamp op with its samples, float64 reference, mutated arguments,
-tolerances and bad inputs; tests/test_op_table.py drives every entry the same way."""
+"""One entry per fusedamp op: samples, float64 reference, mutated args, tolerances, bad inputs."""
 
 from __future__ import annotations
 

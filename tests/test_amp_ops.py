@@ -1,11 +1,10 @@
-"""The AMP ops beyond tests/op_table.py: unscale_ against torch's own
-_amp_foreach_non_finite_check_and_unscale_, update_scale_ against torch._amp_update_scale_ and
-its hysteresis and bounds over sequences of steps, and the errors of the Python wrappers."""
+"""AMP ops beyond the op table: agreement with torch's AMP ops, scale sequences, wrapper errors."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -66,7 +65,9 @@ WRAPPER_BAD_INPUTS = [
     [case[1:] for case in WRAPPER_BAD_INPUTS],
     ids=[case[0] for case in WRAPPER_BAD_INPUTS],
 )
-def test_wrapper_refuses_and_writes_nothing(make_args, call, error: type[Exception], message: str) -> None:
+def test_wrapper_refuses_and_writes_nothing(
+    make_args: Callable[[], tuple], call: Callable[..., None], error: type[Exception], message: str
+) -> None:
     args = make_args()
     before = snapshot(args)
     with pytest.raises(error, match=message):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import MixedPrecisionNet
 from torch import nn
 
 import fusedamp
@@ -27,9 +28,7 @@ WARMUP = 3
 
 
 def make(optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer, fusedamp.GradScaler, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).cuda()
-    model[2].to(torch.bfloat16)
+    model = MixedPrecisionNet((16, 32, 4)).cuda()  # an fp32 and a bf16 layer
     lr = torch.tensor(1e-2, device="cuda")  # on the device: changed between replays
     opt: torch.optim.Optimizer
     if optimizer == "adamw":
@@ -59,9 +58,7 @@ def train_step(
     opt.zero_grad(set_to_none=False)
     # No cast cache: a graph must not keep casts from the capture.
     with fusedamp.autocast("cuda", dtype=torch.float16, cache_enabled=False):
-        hidden = model[1](model[0](inputs))
-        output = model[2](hidden.to(torch.bfloat16)).float()
-        loss = nn.functional.mse_loss(output, target)
+        loss = nn.functional.mse_loss(model(inputs), target)
     scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()

@@ -1,5 +1,4 @@
-"""Every op of tests/op_table.py: opcheck, CPU against float64 (per CPU ISA build), CUDA against
-CPU, bad inputs that write nothing; and the table against the registered ops and their schemas."""
+"""Every op-table entry: opcheck, CPU vs float64 per ISA, CUDA vs CPU, bad inputs, table vs registry."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Hypothesis property tests: unscale_, check_and_norm_, update_scale_, adamw_ and sgd_ over random
-shapes, dtypes, hyperparameters and values, each against its op-table reference (tests/op_table.py
-holds fixed samples of every op; these search the space between them)."""
+"""Hypothesis property tests of the list and scale ops against their op-table references."""
 
 from __future__ import annotations
 
