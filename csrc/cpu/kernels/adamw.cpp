@@ -9,8 +9,10 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
+// The coefficients by value: a reference could alias the floats the loop stores, and the
+// compiler would reload them on every element.
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
-void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients& c, float multiplier,
+void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
                  int64_t begin, int64_t end) {
   if constexpr (P != staged_param<P, M> || G != staged<G>) {
     float param_tile[kStageTile], grad_tile[kStageTile];

@@ -9,8 +9,10 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
+// The coefficients by value: a reference could alias the floats the loop stores, and the
+// compiler would reload them on every element.
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
-void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients& c, float multiplier,
+void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
                int64_t begin, int64_t end) {
   if constexpr (P != staged_param<P, M> || G != staged<G>) {
     float param_tile[kStageTile], grad_tile[kStageTile];
