@@ -129,7 +129,7 @@ for site in sys.path:
         break
 
 # ATen's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp every CPU kernel
-# runs on one thread (csrc/cpu/ops.cpp refuses to compile then). Link the OpenMP runtime torch
+# runs on one thread (csrc/cpu/launcher.h refuses to compile then). Link the OpenMP runtime torch
 # itself loads (torch/lib/libgomp.so.1), never a second one with its own thread pool.
 cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")

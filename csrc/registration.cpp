@@ -1,5 +1,5 @@
-// The single declaration of every fusedamp operator schema; backends register their kernels
-// in their own files (csrc/cpu/ops.cpp, csrc/cuda/*.cu).
+// The single declaration of every fusedamp operator schema. Each op's function is in
+// csrc/ops/<op>.cpp, its kernels in csrc/cpu/kernels/ and csrc/cuda/ (see csrc/README.md).
 #include <torch/library.h>
 
 TORCH_LIBRARY(fusedamp, m) {
