@@ -51,6 +51,7 @@ TORCH_LIBRARY(fusedamp, m) {
       "ScalarType? out_dtype=None, bool keep_preactivation=False) -> (Tensor, Tensor)");
   // Gradient diagnostics (math/grad_stats.h), read-only: per grad, counts[i] = (number of
   // values with 0 < |g * inv_scale| < 2^-24, same below 2^-14, non-finite count) as int64, and
-  // max_abs[i] = the largest finite |g * inv_scale| as float32. Grads may mix float dtypes.
+  // max_abs[i] = the largest |g * inv_scale| over the finite g as float32 (inf when that product
+  // overflows float32: the unscaled gradient does not fit). Grads may mix float dtypes.
   m.def("grad_stats(Tensor[] grads, Tensor? inv_scale) -> (Tensor counts, Tensor max_abs)");
 }

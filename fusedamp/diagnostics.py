@@ -53,7 +53,8 @@ def _grad_stats_fake(grads: list[Tensor], inv_scale: Tensor | None) -> tuple[Ten
 class LayerStats:
     """Host-side statistics of one gradient (or of all of them, as ``name == "total"``).
 
-    Fractions are over all ``numel`` values; ``max_abs`` is the largest finite ``|g|``.
+    Fractions are over all ``numel`` values; ``max_abs`` is the largest ``|g|`` over the finite
+    stored values (``inf`` when unscaling one overflows float32).
 
     >>> LayerStats("fc.weight", 100, 0.25, 0.5, 0, 3.0).underflow_fp16
     0.25

@@ -449,6 +449,16 @@ def _shared_grads() -> Args:
     return ([shared, torch.randn(2), shared], _scalar(0.0), _scalar(0.5))
 
 
+def _found_inf_in_a_grad() -> Args:
+    grad = torch.randn(3)
+    return ([grad], grad[:1], _scalar(0.5))
+
+
+def _found_inf_is_sum_of_squares() -> Args:
+    flag = _scalar(0.0)
+    return ([torch.randn(3)], flag, flag, None)
+
+
 UNSCALE = OpEntry(
     name="unscale_",
     dtypes=FLOAT_DTYPES,
@@ -459,6 +469,12 @@ UNSCALE = OpEntry(
     bad_inputs=(
         *_bad_amp_inputs("unscale_"),
         BadInput("grad_twice", _shared_grads, RuntimeError, "unscale_: grads[0] and grads[2] share memory"),
+        BadInput(
+            "found_inf_in_a_grad",
+            _found_inf_in_a_grad,
+            RuntimeError,
+            "unscale_: grads[0] and found_inf share memory",
+        ),
     ),
     uses_cpu_isa=True,
     notes="Grads may mix fp32, fp16 and bf16; every product is rounded once, so results are exact.",
@@ -485,6 +501,12 @@ CHECK_AND_NORM = OpEntry(
             lambda: ([torch.randn(3)], _scalar(0.0), torch.zeros(2), None),
             RuntimeError,
             "check_and_norm_: sum_of_squares must hold exactly one element, got shape [2]",
+        ),
+        BadInput(
+            "found_inf_is_sum_of_squares",
+            _found_inf_is_sum_of_squares,
+            RuntimeError,
+            "check_and_norm_: found_inf and sum_of_squares share memory",
         ),
     ),
     uses_cpu_isa=True,
@@ -589,6 +611,11 @@ def _update_scale_args(**changes: Any) -> Callable[[], Args]:
     return make
 
 
+def _one_tracker_twice() -> Args:
+    tracker = _int32(1)
+    return _update_scale_args(growth_tracker=lambda: tracker, hysteresis_tracker=lambda: tracker)()
+
+
 UPDATE_SCALE = OpEntry(
     name="update_scale_",
     dtypes=(torch.float32,),
@@ -639,6 +666,25 @@ UPDATE_SCALE = OpEntry(
             ValueError,
             "growth_interval and hysteresis must be positive, got 10 and 0",
         ),
+        BadInput(
+            "nan_backoff_factor",
+            _update_scale_args(backoff_factor=math.nan),
+            ValueError,
+            "update_scale_: backoff_factor is nan; it must be a finite number",
+        ),
+        BadInput(
+            "negative_growth_factor",
+            _update_scale_args(growth_factor=-2.0),
+            ValueError,
+            "update_scale_: growth_factor is -2; it must be positive",
+        ),
+        BadInput(
+            "min_scale_above_max_scale",
+            _update_scale_args(min_scale=2.0, max_scale=1.0),
+            ValueError,
+            "update_scale_: min_scale (2) must not exceed max_scale (1)",
+        ),
+        BadInput("one_tracker_twice", _one_tracker_twice, RuntimeError, "share memory"),
     ),
     notes="Scalar state only: no sizes, empty tensors, tensor lists or dtypes besides float32 apply.",
 )

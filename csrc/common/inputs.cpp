@@ -7,7 +7,8 @@
 namespace fusedamp {
 
 std::ostream& operator<<(std::ostream& out, const ArgName& name) {
-  out << name.op << ": " << name.arg;
+  if (name.op != nullptr) out << name.op << ": ";
+  out << name.arg;
   if (name.index >= 0) out << "[" << name.index << "]";
   return out;
 }
@@ -73,18 +74,18 @@ void check_hyperparameter(double value, const char* name, const char* op) {
 struct MemoryRange {
   uintptr_t begin;
   uintptr_t end;
-  const char* list;
-  size_t index;
+  ArgName name;
 };
 
-void check_no_shared_memory(const char* op,
-                            const std::vector<std::pair<at::TensorList, const char*>>& lists) {
+void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arguments) {
   std::vector<MemoryRange> ranges;
-  for (const auto& [tensors, name] : lists) {
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (tensors[i].numel() == 0) continue;
-      const auto begin = reinterpret_cast<uintptr_t>(tensors[i].data_ptr());
-      ranges.push_back({begin, begin + tensors[i].nbytes(), name, i});
+  for (const NamedTensors& argument : arguments) {
+    for (size_t i = 0; i < argument.tensors.size(); ++i) {
+      const at::Tensor& tensor = argument.tensors[i];
+      if (tensor.numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
+      ranges.push_back({begin, begin + tensor.nbytes(),
+                        {op, argument.name, argument.is_list ? int64_t(i) : -1}});
     }
   }
   std::sort(ranges.begin(), ranges.end(),
@@ -92,9 +93,9 @@ void check_no_shared_memory(const char* op,
   for (size_t k = 1; k < ranges.size(); ++k) {
     const MemoryRange& first = ranges[k - 1];
     const MemoryRange& second = ranges[k];
-    TORCH_CHECK(second.begin >= first.end, "fusedamp: ", op, ": ", first.list, "[", first.index,
-                "] and ", second.list, "[", second.index, "] share memory; every tensor an op "
-                "updates must have its own storage (pass distinct tensors, e.g. .clone())");
+    TORCH_CHECK(second.begin >= first.end, "fusedamp: ", first.name, " and ",
+                ArgName{nullptr, second.name.arg, second.name.index}, " share memory; every tensor an op updates must have its own storage (pass "
+                "distinct tensors, e.g. .clone())");
   }
 }
 
@@ -182,9 +183,9 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
     }
     check_scalar_tensor(steps[i], {op, "steps", index}, lists.device);
   }
-  std::vector<std::pair<at::TensorList, const char*>> updated = {
+  std::vector<NamedTensors> updated = {
       {params, "params"}, {grads, "grads"}, {masters, "masters"}, {steps, "steps"}};
-  for (const StateList& state : states) updated.emplace_back(state.tensors, state.name);
+  for (const StateList& state : states) updated.push_back({state.tensors, state.name});
   check_no_shared_memory(op, updated);
   return lists;
 }

@@ -18,7 +18,7 @@ namespace fusedamp {
 // words, no string, so a call over thousands of tensors pays nothing for the messages of checks
 // that pass (TORCH_CHECK formats its message only on failure).
 struct ArgName {
-  const char* op;
+  const char* op;  // null: the name alone
   const char* arg;
   int64_t index = -1;  // the position in a list argument; -1 for a single tensor
 };
@@ -35,8 +35,14 @@ void check_dense_on(const at::Tensor& tensor, const ArgName& name, const at::Dev
 
 void check_hyperparameter(double value, const char* name, const char* op);
 
-// Tensors an op writes (or writes one and reads another of) must not share memory.
-void check_no_shared_memory(const char* op, const std::vector<std::pair<at::TensorList, const char*>>& lists);
+// Tensors an op writes (or writes one and reads another of) must not share memory. A list
+// argument's tensors are named "name[i]"; a single tensor's (is_list false) just "name".
+struct NamedTensors {
+  at::TensorList tensors;
+  const char* name;
+  bool is_list = true;
+};
+void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arguments);
 
 // A list of grads of any float dtypes, each dense on `device`: returns their dtypes.
 std::vector<DType> check_grad_list(at::TensorList grads, const char* op, const at::Device& device);

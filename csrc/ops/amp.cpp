@@ -20,8 +20,9 @@ void unscale_(at::TensorList grads, const at::Tensor& found_inf, const at::Tenso
   const at::Device device = found_inf.device();
   check_scalar_tensor(found_inf, {op, "found_inf"}, device);
   std::vector<DType> dtypes = check_grad_list(grads, op, device);
-  check_no_shared_memory(op, {{grads, "grads"}});
   check_scalar_tensor(inv_scale, {op, "inv_scale"}, device);
+  check_no_shared_memory(op, {{grads, "grads"}, {found_inf, "found_inf", false},
+                              {inv_scale, "inv_scale", false}});
   run_kernel(UnscaleCall{device, grad_lists(grads), std::move(dtypes), found_inf.data_ptr<float>(),
                          inv_scale.const_data_ptr<float>()});
 }
@@ -35,6 +36,11 @@ void check_and_norm_(at::TensorList grads, const at::Tensor& found_inf,
   std::vector<DType> dtypes = check_grad_list(grads, op, device);
   if (sum_of_squares) check_scalar_tensor(*sum_of_squares, {op, "sum_of_squares"}, device);
   if (inv_scale) check_scalar_tensor(*inv_scale, {op, "inv_scale"}, device);
+  // found_inf and sum_of_squares are written while the grads (and inv_scale) are read.
+  std::vector<NamedTensors> arguments = {{grads, "grads"}, {found_inf, "found_inf", false}};
+  if (sum_of_squares) arguments.push_back({*sum_of_squares, "sum_of_squares", false});
+  if (inv_scale) arguments.push_back({*inv_scale, "inv_scale", false});
+  check_no_shared_memory(op, arguments);
   run_kernel(CheckAndNormCall{device, grad_lists(grads), std::move(dtypes),
                               found_inf.data_ptr<float>(),
                               sum_of_squares ? sum_of_squares->data_ptr<float>() : nullptr,
@@ -59,6 +65,15 @@ void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker,
   }
   TORCH_CHECK_VALUE(growth_interval > 0 && hysteresis > 0, "fusedamp: ", op, ": growth_interval "
                     "and hysteresis must be positive, got ", growth_interval, " and ", hysteresis);
+  for (auto [value, name] : {std::pair{growth_factor, "growth_factor"}, {backoff_factor, "backoff_factor"}}) {
+    check_hyperparameter(value, name, op);
+    TORCH_CHECK_VALUE(value > 0.0, "fusedamp: ", op, ": ", name, " is ", value, "; it must be positive");
+  }
+  TORCH_CHECK_VALUE(min_scale <= max_scale, "fusedamp: ", op, ": min_scale (", min_scale,
+                    ") must not exceed max_scale (", max_scale, ")");
+  check_no_shared_memory(op, {{scale, "scale", false}, {growth_tracker, "growth_tracker", false},
+                              {hysteresis_tracker, "hysteresis_tracker", false},
+                              {found_inf, "found_inf", false}});
   const LossScaleConfig config{growth_factor, backoff_factor, int32_t(growth_interval),
                                int32_t(hysteresis), float(min_scale), float(max_scale)};
   run_kernel(UpdateScaleCall{device, scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),

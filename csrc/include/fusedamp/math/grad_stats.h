@@ -13,7 +13,7 @@ struct GradStats {
   int64_t below_min_subnormal = 0;  // 0 < |g| < 2^-24
   int64_t below_min_normal = 0;     // 0 < |g| < 2^-14 (includes the previous)
   int64_t non_finite = 0;           // +-inf and NaN
-  float max_abs = 0.0f;             // largest finite |g|
+  float max_abs = 0.0f;             // largest |g| of a finite stored value (inf if g overflows)
 };
 
 }  // namespace fusedamp
