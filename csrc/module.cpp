@@ -162,6 +162,17 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> locate_chun
   return blocks;
 }
 
+// (first, count) of the blocks of each tensor, for the per-tensor reductions.
+std::vector<std::pair<int64_t, int64_t>> tensor_block_ranges_for_test(const std::vector<int64_t>& numels,
+                                                                      int64_t chunk_size) {
+  TORCH_CHECK_VALUE(chunk_size > 0, "tensor_block_ranges: chunk_size must be positive");
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const fusedamp::BlockRange& range : fusedamp::tensor_block_ranges(numels, chunk_size)) {
+    ranges.emplace_back(range.first, range.count);
+  }
+  return ranges;
+}
+
 // "param/master" names of the kernel instantiation dispatch.h picks for raw enum values; an
 // impossible combination raises instead of running nothing.
 std::string dispatch_for_test(int32_t param_dtype, int32_t master_kind) {
@@ -201,6 +212,8 @@ PYBIND11_MODULE(_C, m) {
   testing.def("locate_chunks", &locate_chunks_for_test, py::arg("numels"), py::arg("chunk_size"),
               py::arg("max_tensors"), py::arg("max_blocks"),
               "Each block's work as the CUDA kernels find it: (launch, slot, tensor, begin, count).");
+  testing.def("tensor_block_ranges", &tensor_block_ranges_for_test, py::arg("numels"),
+              py::arg("chunk_size"), "(first, count) of each tensor's blocks in a multi-tensor call.");
   testing.def("dispatch_for_test", &dispatch_for_test, py::arg("param_dtype"), py::arg("master_kind"),
               "The 'param/master' kernel dispatch.h picks for raw DType and MasterKind values.");
   def_gemm_tile_hooks(testing);

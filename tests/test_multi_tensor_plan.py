@@ -1,7 +1,8 @@
 """The multi-tensor launch planner (csrc/include/fusedamp/multi_tensor_plan.h), tested on CPU.
 
-The CUDA launcher runs one block per chunk from this plan, and each block finds its chunk with
-locate_chunk from per-slot ranges: both are checked here against a plain Python model.
+The CUDA launcher runs one block per chunk from this plan, each block finds its chunk with
+locate_chunk from per-slot ranges, and the per-tensor reductions find each tensor's blocks with
+tensor_block_ranges: all are checked here against a plain Python model.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def check_plan(numels: list[int], chunk_size: int, max_tensors: int, max_blocks:
         slot_tensor = {slot: tensor for slot, tensor, _ in launch_blocks}
         assert len(set(slot_tensor.values())) == len(slot_tensor)
         assert all(slot_tensor[slot] == tensor for slot, tensor, _ in launch_blocks)
+
+    # A block's partial goes to its number across the launches (block_offset + blockIdx.x): the
+    # per-tensor reductions read tensor t's partials at tensor_block_ranges' [first, first + count).
+    ranges = _C.testing.tensor_block_ranges(numels, chunk_size)
+    assert len(ranges) == len(numels)
+    for tensor, (first, count) in enumerate(ranges):
+        numbered = [(index, chunk) for index, (_, _, t, chunk) in enumerate(blocks) if t == tensor]
+        assert numbered == [(first + chunk, chunk) for chunk in range(count)]
+        assert count == -(-numels[tensor] // chunk_size)
 
     # What each block finds with locate_chunk is the plan's chunk, as element offsets.
     located = _C.testing.locate_chunks(numels, chunk_size, max_tensors, max_blocks)

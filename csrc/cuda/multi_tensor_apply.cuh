@@ -231,10 +231,9 @@ struct Sum {
   }
 };
 
-// [note: per-tensor reduction] launch_chunks numbers the blocks of one call in list order
-// (meta.block_offset + blockIdx.x), so the blocks of each tensor are consecutive. A kernel that
-// writes one partial per block, partials[block_offset + blockIdx.x], is reduced per tensor by
-// reduce_per_tensor: one block per tensor combines its partials in block order.
+// A kernel that writes one partial per block, partials[meta.block_offset + blockIdx.x], is reduced
+// per tensor by reduce_per_tensor ([note: per-tensor reduction] in multi_tensor_plan.h): one block
+// per tensor combines its partials in block order.
 constexpr int kMaxSegments = 160;
 
 struct SegmentBatch {
@@ -292,13 +291,11 @@ template <typename T, typename Combine, typename Store>
 void reduce_per_tensor(const T* partials, const std::vector<int64_t>& numels,
                        const std::vector<int64_t>& outputs, const T& identity, Combine combine,
                        Store store) {
+  const std::vector<BlockRange> ranges = tensor_block_ranges(numels, kChunkSize);
   std::vector<Segment> segments;
-  segments.reserve(numels.size());
-  int64_t first = 0;
-  for (size_t t = 0; t < numels.size(); ++t) {
-    const int64_t blocks = chunk_count(numels[t], kChunkSize);
-    segments.push_back({first, int32_t(blocks), outputs[t]});
-    first += blocks;
+  segments.reserve(ranges.size());
+  for (size_t t = 0; t < ranges.size(); ++t) {
+    segments.push_back({ranges[t].first, int32_t(ranges[t].count), outputs[t]});
   }
   reduce_segments(partials, segments, identity, combine, store);
 }

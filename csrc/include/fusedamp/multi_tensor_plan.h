@@ -64,6 +64,28 @@ inline std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels
   return launches;
 }
 
+// [note: per-tensor reduction] The blocks of one multi-tensor call, numbered across its launches
+// (block_offset + block index), take the chunks in list order, so tensor t owns the consecutive
+// blocks [first, first + count): a kernel writing one partial per block leaves each tensor's
+// partials side by side, ready to be reduced per tensor.
+struct BlockRange {
+  int64_t first;
+  int64_t count;
+};
+
+inline std::vector<BlockRange> tensor_block_ranges(const std::vector<int64_t>& numels,
+                                                   int64_t chunk_size) {
+  std::vector<BlockRange> ranges;
+  ranges.reserve(numels.size());
+  int64_t first = 0;
+  for (const int64_t numel : numels) {
+    const int64_t count = chunk_count(numel, chunk_size);
+    ranges.push_back({first, count});
+    first += count;
+  }
+  return ranges;
+}
+
 // The compact form of a LaunchBatch that a CUDA kernel receives. A slot's blocks are consecutive
 // and work on consecutive chunks, so two numbers per slot replace a per-block table, and the
 // number of blocks in one launch is no longer bounded by the size of the kernel parameters.
