@@ -57,9 +57,24 @@ inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = float_to_fp16(src[i]);
 }
 
+// dtypes.h's bf16_to_float (the bits shifted up by 16), a vector at a time: element-wise stores
+// would stall the vector loads that read the tile right after (no store-to-load forwarding).
 inline void bf16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 16
+  for (; i + 16 <= n; i += 16) {
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
+    _mm512_storeu_si512(dst + i, _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, halves), 16));
+  }
+#elif FUSEDAMP_F16C_LANES == 8
+  for (; i + 8 <= n; i += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
 // dtypes.h's float_to_bf16, lane by lane: round to nearest even on the bit pattern, NaN to
