@@ -25,6 +25,19 @@ inline namespace FUSEDAMP_ISA {
 // vector at a time, so that the values are still in registers when they are converted back.
 constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
 constexpr int64_t kStageTile = 1024;
+constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
+
+// step(first, n) for the groups of kStageLanes values in [begin, end), the last one partial. In
+// the full groups n is a compile-time constant, so each group's conversions and math compile to
+// straight vector code whose values stay in registers.
+template <typename Step>
+inline void for_each_stage_group(int64_t begin, int64_t end, Step&& step) {
+  int64_t first = begin;
+  for (; first + kStageLanes <= end; first += kStageLanes) {
+    step(first, std::integral_constant<int64_t, kStageLanes>{});
+  }
+  if (first < end) step(first, end - first);
+}
 
 inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;

@@ -10,35 +10,24 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
-// Half grads go through fp32 one vector at a time ([note: half staging] in cpu/staging.h, with
-// tiles of one vector): each group of kStageLanes values is converted, run through the fp32 math
-// and converted back while it is still in registers, so the grad is read and written once.
-constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
-
+// Half grads go through fp32 one vector at a time ([note: half staging]), with one flag and one
+// sum per lane: the groups add to them lane by lane, and the lanes are combined once at the end.
 template <DType G>
 bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
   if constexpr (G != staged<G>) {
     auto* halves = static_cast<uint16_t*>(grad);
     int32_t found[kStageLanes] = {};
-    int64_t first = begin;
-    for (; first + kStageLanes <= end; first += kStageLanes) {
-      float lanes[kStageLanes];
-      half_tile_to_float<G>(halves + first, lanes, kStageLanes);
-#pragma omp simd
-      for (int64_t j = 0; j < kStageLanes; ++j) {
-        found[j] |= int32_t(unscale_element<DType::kFloat32>(lanes, j, inv_scale));
-      }
-      float_tile_to_half<G>(lanes, halves + first, kStageLanes);
-    }
-    bool any = false;
-    for (const int32_t flag : found) any |= flag != 0;
-    const int64_t n = end - first;
-    if (n > 0) {
+    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
       float lanes[kStageLanes];
       half_tile_to_float<G>(halves + first, lanes, n);
-      any |= unscale_range<DType::kFloat32>(lanes, 0, n, inv_scale);
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        found[j] |= int32_t(unscale_element<DType::kFloat32>(lanes, j, inv_scale));
+      }
       float_tile_to_half<G>(lanes, halves + first, n);
-    }
+    });
+    bool any = false;
+    for (const int32_t flag : found) any |= flag != 0;
     return any;
   }
   auto* typed = static_cast<storage_t<G>*>(grad);
@@ -54,27 +43,18 @@ GradCheck check_range(const void* grad, int64_t begin, int64_t end, float multip
     const auto* halves = static_cast<const uint16_t*>(grad);
     int32_t found[kStageLanes] = {};
     float sums[kStageLanes] = {};
-    int64_t first = begin;
-    for (; first + kStageLanes <= end; first += kStageLanes) {
+    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
       float lanes[kStageLanes];
-      half_tile_to_float<G>(halves + first, lanes, kStageLanes);
+      half_tile_to_float<G>(halves + first, lanes, n);
 #pragma omp simd
-      for (int64_t j = 0; j < kStageLanes; ++j) {
+      for (int64_t j = 0; j < n; ++j) {
         found[j] |= int32_t(check_element<DType::kFloat32>(lanes, j, multiplier, sums[j]));
       }
-    }
+    });
     GradCheck result;
     for (int64_t j = 0; j < kStageLanes; ++j) {
       result.sum_of_squares += sums[j];
       result.found_non_finite |= found[j] != 0;
-    }
-    const int64_t n = end - first;
-    if (n > 0) {
-      float lanes[kStageLanes];
-      half_tile_to_float<G>(halves + first, lanes, n);
-      const GradCheck tail = check_range<DType::kFloat32>(lanes, 0, n, multiplier);
-      result.sum_of_squares += tail.sum_of_squares;
-      result.found_non_finite |= tail.found_non_finite;
     }
     return result;
   }
