@@ -20,9 +20,10 @@ inline namespace FUSEDAMP_ISA {
 // convert half data tile by tile into fp32 buffers (fp16 with the F16C/AVX-512 instructions,
 // bf16 with the integer rounding of dtypes.h's float_to_bf16 written in vector intrinsics: both
 // round to nearest even with the same NaN rule, so the results are identical), run the same
-// per-element math on the buffers as fp32, and convert back. The optimizers stage tiles of
-// kStageTile elements; unscale_ and the check, whose math is a few instructions, stage one
-// vector at a time, so that the values are still in registers when they are converted back.
+// per-element math on the buffers as fp32, and convert back. AdamW, unscale_ and the check stage
+// one vector at a time (for_each_stage_group), so that the values are still in registers when
+// they are converted back; SGD stages tiles of kStageTile elements, as its few instructions per
+// element do not pay for the per-group setup.
 constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
 constexpr int64_t kStageTile = 1024;
 constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
