@@ -9,8 +9,19 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
+// The element loop, inlined into both callers below so that a staged group of kStageLanes
+// values compiles to straight vector code (a call per group cost a third of the bf16 step).
 // The coefficients by value: a reference could alias the floats the loop stores, and the
 // compiler would reload them on every element.
+template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
+[[gnu::always_inline]] inline void adamw_elements(const AdamWTensorPointers t, const AdamWCoefficients c,
+                                                  float multiplier, int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    adamw_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kAmsgrad);
+  }
+}
+
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
                  int64_t begin, int64_t end) {
@@ -21,15 +32,11 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
       tile.exp_avg += first;
       tile.exp_avg_sq += first;
       if (kAmsgrad) tile.max_exp_avg_sq += first;
-      adamw_range<staged_param<P, M>, staged<G>, M, kAmsgrad, kWriteGrad>(tile, c, multiplier, 0, n);
+      adamw_elements<staged_param<P, M>, staged<G>, M, kAmsgrad, kWriteGrad>(tile, c, multiplier, 0, n);
       unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     });
-    return;
-  }
-  const AdamWTensorPointers t = tensor;
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) {
-    adamw_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kAmsgrad);
+  } else {
+    adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, begin, end);
   }
 }
 

@@ -7,7 +7,7 @@
 #define FUSEDAMP_HOST_DEVICE inline __attribute__((always_inline))
 #endif
 
-// Each CPU ISA build of the kernels (see csrc/cpu/kernels_*.cpp) defines FUSEDAMP_ISA before
+// Each CPU ISA build of the kernels (see setup.py and csrc/cpu/kernels/) defines FUSEDAMP_ISA before
 // including any fusedamp header, so the inline functions of every ISA get their own symbols:
 // the linker can then never swap an AVX-512 body into the baseline build (the ODR trap).
 #ifndef FUSEDAMP_ISA
