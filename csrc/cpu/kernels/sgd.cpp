@@ -9,26 +9,31 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
-// The coefficients by value: a reference could alias the floats the loop stores, and the
-// compiler would reload them on every element.
+// The element loop, inlined into both callers below so that a staged group of kStageLanes
+// values compiles to straight vector code. The coefficients by value: a reference could alias
+// the floats the loop stores, and the compiler would reload them on every element.
+template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
+[[gnu::always_inline]] inline void sgd_elements(const SgdTensorPointers t, const SgdCoefficients c,
+                                                float multiplier, int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    sgd_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kHasMomentum);
+  }
+}
+
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
                int64_t begin, int64_t end) {
   if constexpr (P != staged_param<P, M> || G != staged<G>) {
-    float param_tile[kStageTile], grad_tile[kStageTile];
-    for (int64_t first = begin; first < end; first += kStageTile) {
-      const int64_t n = std::min(kStageTile, end - first);
+    float param_tile[kStageLanes], grad_tile[kStageLanes];
+    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
       SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
       if (kHasMomentum) tile.momentum_buffer += first;
-      sgd_range<staged_param<P, M>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, c, multiplier, 0, n);
+      sgd_elements<staged_param<P, M>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, c, multiplier, 0, n);
       unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
-    }
-    return;
-  }
-  const SgdTensorPointers t = tensor;
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) {
-    sgd_element<P, G, M>(t, i, c, multiplier, kWriteGrad, kHasMomentum);
+    });
+  } else {
+    sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, begin, end);
   }
 }
 
