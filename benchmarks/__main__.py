@@ -9,6 +9,8 @@ Contract for a ``bench_*.py`` module
 ------------------------------------
 - It accepts ``--json PATH`` and writes there a JSON list of rows (a ``{"rows": [...]}``
   object is accepted too); it may print whatever it likes.
+- It may add ``"targets"``, a list of one-line verdicts on its targets, to a ``{"rows": ...}``
+  object: they are printed after the table and kept in the combined JSON.
 - It decides itself what this machine supports. When it supports nothing (GEMM without a
   GPU), it exits with status 77 after printing why, or writes an empty list. Any other
   non-zero status counts as a failure: the others still run, and the command exits with 1.
@@ -70,6 +72,7 @@ class ModuleRun:
     seconds: float
     rows: list[dict[str, Any]] = field(default_factory=list)
     message: str = ""
+    targets: list[str] = field(default_factory=list)  # the module's verdicts on its targets
 
 
 def discover(package_dir: str = PACKAGE_DIR) -> list[str]:
@@ -119,8 +122,10 @@ def run_module(module: str, package_dir: str = PACKAGE_DIR, timeout: float = 900
         return ModuleRun(module, "skipped", seconds, message=_last_lines(output, 1) or "no rows")
     bench = loaded.get("benchmark") if isinstance(loaded, dict) else None
     device = loaded.get("environment", {}).get("device", "") if isinstance(loaded, dict) else ""
+    targets = loaded.get("targets", []) if isinstance(loaded, dict) else []
     return ModuleRun(module, "ok", seconds,
-                     [normalize_row(row, bench or module.removeprefix("bench_"), device) for row in rows])
+                     [normalize_row(row, bench or module.removeprefix("bench_"), device) for row in rows],
+                     targets=[str(line) for line in targets])
 
 
 _ALIASES = {"time_ms": "ms", "gbps": "GB/s", "tflops": "TFLOP/s", "impl": "op", "case": "dtype"}
@@ -277,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print()
         print(format_table(rows))
+    targets = [line for run in runs for line in run.targets]
+    if targets:
+        print("\ntargets:\n" + "\n".join(targets))
 
     tag = machine_tag()
     json_path = args.json or os.path.join(PACKAGE_DIR, "results", f"bench-{tag}.json")
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({
             "machine": tag, "torch": torch.__version__, "python": platform.python_version(),
             "modules": [{"module": r.module, "status": r.status, "seconds": r.seconds,
-                         "message": r.message} for r in runs],
+                         "message": r.message, "targets": r.targets} for r in runs],
             "rows": rows,
         }, out, indent=1, default=str)
     print(f"\nresults written to {json_path}")

@@ -56,6 +56,7 @@ TARGETS = {
     ("sgd", "half"): {"torch O2 recipe": 1.5},
 }
 STREAM_TARGET = 0.85  # of the in-place stream ceiling, every fused row
+THREAD_SCALING = 1.3  # all threads over one, where the in-place stream scales that much
 COPY, STREAM = "copy", "stream a.add_(x, alpha)"
 
 
@@ -301,8 +302,10 @@ def main() -> None:
 
 def target_checks(rows: list[dict[str, Any]]) -> list[str]:
     """The fusedamp rows at the most threads against issue 10's targets: speedups over the named
-    peers (plain steps; bf16 remainder too) and the fraction of the in-place stream ceiling."""
+    peers (plain steps; bf16 remainder too), the fraction of the in-place stream ceiling, and
+    the speedup over one thread."""
     most = max(row["threads"] for row in rows)
+    single_thread = {(r["optimizer"], r["dtype"], r["peer"]): r for r in rows if r["threads"] == 1}
     lines = []
     for row in rows:
         if row["threads"] != most or not row["peer"].startswith("fusedamp"):
@@ -320,7 +323,21 @@ def target_checks(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"target {label}: {stream:.0%} of the stream ceiling (>= {STREAM_TARGET:.0%}): {verdict}"
         )
+        one = single_thread.get((row["optimizer"], row["dtype"], row["peer"]))
+        if one is not None and most > 1:
+            lines.append(f"target {label}: {thread_scaling_verdict(one, row)}")
     return lines
+
+
+def thread_scaling_verdict(one: dict[str, Any], most: dict[str, Any]) -> str:
+    """Issue 10's scaling target: all threads >= THREAD_SCALING x one thread, where the in-place
+    stream measured next to each row scales that much itself (else the machine cannot)."""
+    speedup = one["ms/step"] / most["ms/step"]
+    stream_scaling = most["stream GB/s"] / one["stream GB/s"]
+    text = f"{speedup:.2f}x faster than 1 thread (stream ceiling {stream_scaling:.2f}x)"
+    if stream_scaling < THREAD_SCALING:
+        return f"{text}: n/a, the stream scales less than {THREAD_SCALING}x"
+    return f"{text} (>= {THREAD_SCALING}x): {'met' if speedup >= THREAD_SCALING else 'MISSED'}"
 
 
 if __name__ == "__main__":

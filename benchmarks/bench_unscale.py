@@ -1,5 +1,7 @@
 """fusedamp.ops.unscale_ and the read-only check_and_norm_ against torch's
-_amp_foreach_non_finite_check_and_unscale_, as a fraction of the copy bandwidth.
+_amp_foreach_non_finite_check_and_unscale_, as fractions of the copy bandwidth and of the
+in-place stream ceiling (``a.mul_(s)`` over the same bytes: one read and one write, as an
+unscale makes).
 
 Run from the repository root: python -m benchmarks.bench_unscale [--device cpu] [--json PATH]
 
@@ -31,6 +33,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TENSORS = 200
 DEFAULT_ELEMENTS = {"cpu": 16 << 20, "cuda": 256 << 20}
 TORCH = "torch unscale"
+STREAM = "stream a.mul_(s)"
 # Passes over the grad bytes each op makes: unscale reads and writes, the checks only read.
 PASSES = {"fusedamp unscale_": 2, TORCH: 2, "fusedamp check (read-only)": 1, "fusedamp check + norm": 1}
 # Issue 10's targets, as speedups over torch's unscale at the most threads.
@@ -80,23 +83,35 @@ def measure(dtype_name: str, sizes: list[int], device: str, rounds: int, threads
     grad_bytes = sum(sizes) * dtype.itemsize
     peers = peers_for(dtype, sizes, device)
     peers["copy"], copy_bytes = copy_peer(grad_bytes, device)
+    peers[STREAM], stream_bytes = stream_peer(grad_bytes, device)
     medians, kept = stable_medians(time_round_robin(peers, device, rounds))
     copy_rate = gigabytes_per_second(copy_bytes, medians["copy"])
+    stream_rate = gigabytes_per_second(stream_bytes, medians[STREAM])
     case = dtype_name if torch.device(device).type != "cpu" else f"{dtype_name}, {threads} threads"
     rows = []
     for name, passes in PASSES.items():
         row = {"dtype": case, "op": name, "threads": threads, "samples kept": f"{kept}/{rounds}"}
         if name in medians:
             rate = gigabytes_per_second(passes * grad_bytes, medians[name])
-            row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate})
+            row.update({"ms": medians[name] * 1e3, "GB/s": rate, "% of copy": 100 * rate / copy_rate,
+                        "% stream": 100 * rate / stream_rate})
             if TORCH in medians:
                 row["vs torch unscale"] = medians[TORCH] / medians[name]
         else:
             row["op"] += " (not supported by this torch)"
         rows.append(row)
-    rows.append({"dtype": case, "op": "copy", "threads": threads, "ms": medians["copy"] * 1e3,
-                 "GB/s": copy_rate, "% of copy": 100.0, "samples kept": f"{kept}/{rounds}"})
+    for name, rate in (("copy", copy_rate), (STREAM, stream_rate)):
+        rows.append({"dtype": case, "op": name, "threads": threads, "ms": medians[name] * 1e3,
+                     "GB/s": rate, "% of copy": 100 * rate / copy_rate,
+                     "% stream": 100 * rate / stream_rate, "samples kept": f"{kept}/{rounds}"})
     return rows
+
+
+def stream_peer(nbytes: int, device: str) -> tuple[Callable[[], object], int]:
+    """The in-place stream ceiling: ``a.mul_(s)`` over ``nbytes`` of float32 (the same bytes as
+    the grads, without a half dtype's conversions), and the bytes it moves (read + write)."""
+    a = torch.ones(nbytes // 4, device=device)
+    return (lambda: a.mul_(1.0)), 2 * a.numel() * 4
 
 
 def target_checks(rows: list[dict]) -> list[str]:
@@ -122,9 +137,10 @@ def main() -> None:
         for dtype_name in DTYPES:
             rows += measure(dtype_name, sizes, device, args.rounds, threads)
     print(f"{sum(sizes) / 2**20:.0f}M elements in {len(sizes)} tensors on {device}. "
-          "'vs torch unscale': torch's time / this time; "
+          "'vs torch unscale': torch's time / this time; '% stream': of a.mul_(s); "
           "'samples kept': the fewest undisturbed samples of any peer of that dtype")
-    print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "vs torch unscale", "samples kept"]))
+    print(format_table(rows, ["dtype", "op", "ms", "GB/s", "% of copy", "% stream", "vs torch unscale",
+                              "samples kept"]))
     checks = target_checks(rows)
     for line in checks:
         print(line)

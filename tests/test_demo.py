@@ -624,7 +624,8 @@ MODULES = {
         import json, sys
         rows = [{"dtype": "bf16", "op": "fusedamp unscale_", "ms": 1.0, "GB/s": 8.0, "vs torch unscale": 1.5},
                 {"dtype": "bf16", "op": "copy", "ms": 0.5, "GB/s": 16.0}]
-        payload = {"benchmark": "unscale", "environment": {"device": "cpu"}, "rows": rows}
+        payload = {"benchmark": "unscale", "environment": {"device": "cpu"}, "rows": rows,
+                   "targets": ["target fusedamp unscale_ bf16: 1.50x torch unscale (>= 1.2x): met"]}
         json.dump(payload, open(sys.argv[sys.argv.index("--json") + 1], "w"))
     """,
     "bench_gpu_only": """
@@ -660,6 +661,8 @@ def test_runner_discovers_and_classifies_modules(bench_package):
     assert beta[0]["bench"] == "unscale" and beta[0]["case"] == "bf16"
     assert beta[0]["impl"] == "fusedamp unscale_"
     assert beta[0]["time_ms"] == 1.0 and beta[0]["gbps"] == 8.0 and beta[0]["device"] == "cpu"
+    assert runs["bench_beta"].targets == ["target fusedamp unscale_ bf16: 1.50x torch unscale (>= 1.2x): met"]
+    assert runs["bench_alpha"].targets == []
 
 
 def test_runner_ratios_table_and_plot(bench_package, tmp_path):
@@ -686,15 +689,19 @@ def test_runner_ratios_table_and_plot(bench_package, tmp_path):
 
 def test_runner_main_exit_status(monkeypatch, bench_package, tmp_path, capsys):
     monkeypatch.setattr(runner, "PACKAGE_DIR", bench_package)
-    monkeypatch.setattr(runner, "discover", lambda: ["bench_alpha", "bench_gpu_only"])
+    monkeypatch.setattr(runner, "discover", lambda: ["bench_alpha", "bench_beta", "bench_gpu_only"])
     monkeypatch.setattr(
         runner, "run_module", lambda name, timeout: runner_run_module(name, bench_package, timeout=60)
     )
     out_json = tmp_path / "all.json"
     assert runner.main(["--json", str(out_json), "--plot", str(tmp_path / "all.png")]) == 0
     saved = json.loads(out_json.read_text())
-    assert [m["status"] for m in saved["modules"]] == ["ok", "skipped"]
-    assert len(saved["rows"]) == 2
+    assert [m["status"] for m in saved["modules"]] == ["ok", "ok", "skipped"]
+    assert len(saved["rows"]) == 4
+    assert saved["modules"][1]["targets"] == [
+        "target fusedamp unscale_ bf16: 1.50x torch unscale (>= 1.2x): met"
+    ]
+    assert "targets:\ntarget fusedamp unscale_ bf16: 1.50x" in capsys.readouterr().out
     monkeypatch.setattr(runner, "discover", lambda: ["bench_alpha", "bench_broken"])
     assert runner.main(["--json", str(out_json)]) == 1
     with pytest.raises(SystemExit):
