@@ -220,20 +220,19 @@ def reference_peer(peer: str, dtype: torch.dtype) -> dict[str, str]:
 def measure(
     kind: str, dtype_name: str, sizes: list[int], device: str, rounds: int, threads: int
 ) -> list[dict[str, Any]]:
-    """Every peer of one optimizer and dtype, then the copy and stream yardsticks, as rows."""
+    """Every peer of one optimizer and dtype, timed in turns with the copy and stream
+    yardsticks, as rows."""
     dtype = DTYPES[dtype_name]
     numel = sum(sizes)
     steps = Steps(sizes, dtype, device)
     peers = peers_for(kind, dtype, steps)
+    # The yardsticks take turns with the steps: these hosts switch between memory speeds within
+    # minutes, and a ceiling measured apart from the steps could come from the other speed.
+    peers[COPY], copy_bytes = copy_peer(numel * 4, device)
+    peers[STREAM], stream_bytes = stream_peer(numel, device)
     seconds, kept = stable_medians(time_round_robin(peers, device, rounds))
-    # The yardsticks take turns among themselves: on the dev CPU whichever step ran right
-    # after the in-place stream came out up to 1.5x slower.
-    yardsticks = {}
-    yardsticks[COPY], copy_bytes = copy_peer(numel * 4, device)
-    yardsticks[STREAM], stream_bytes = stream_peer(numel, device)
-    yardstick_seconds, _ = stable_medians(time_round_robin(yardsticks, device, rounds))
-    copy_rate = gigabytes_per_second(copy_bytes, yardstick_seconds[COPY])
-    stream_rate = gigabytes_per_second(stream_bytes, yardstick_seconds[STREAM])
+    copy_rate = gigabytes_per_second(copy_bytes, seconds.pop(COPY))
+    stream_rate = gigabytes_per_second(stream_bytes, seconds.pop(STREAM))
     case = dtype_name if torch.device(device).type != "cpu" else f"{dtype_name}, {threads} threads"
     rows = []
     for peer, step_seconds in seconds.items():
@@ -285,7 +284,7 @@ def main() -> None:
 
     columns = ["optimizer", "dtype", "threads", "peer", "ms/step", "GB/s", "% copy", "% stream", "vs peers"]
     print(f"\n{sum(sizes) / 1e6:.1f}M params in {len(sizes)} tensors on {device}; copy and stream "
-          "bandwidth measured right after each group's steps; GB/s = the job's bytes (module "
+          "bandwidth timed in turns with each group's steps; GB/s = the job's bytes (module "
           "docstring) / time\n")
     print(format_table(rows, columns))
     checks = target_checks(rows)
