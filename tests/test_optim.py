@@ -308,13 +308,15 @@ def test_split_bf16_remainder_keeps_nan_a_nan() -> None:
 def test_remainder_step_with_a_nan_state_writes_a_nan_param(cls) -> None:
     """A NaN update in remainder mode (here from a NaN moment, as a checkpoint could hold) must
     leave a NaN weight, not a zero that hides the divergence. The GPU's canonical NaN is
-    0x7FFFFFFF, one of the patterns that wrapped."""
-    param = torch.ones(len(NAN_BITS), dtype=torch.bfloat16, requires_grad=True)
+    0x7FFFFFFF, one of the patterns that wrapped. Five copies of the patterns (35 values) reach
+    the vector lanes of the staged CPU kernels as well as their scalar tails."""
+    copies = 5
+    param = torch.ones(len(NAN_BITS) * copies, dtype=torch.bfloat16, requires_grad=True)
     param.grad = torch.ones_like(param)
     opt = cls([param], lr=0.1, momentum=0.9) if cls is FusedSGD else cls([param], lr=0.1)
     opt.step()
     moment = "momentum_buffer" if cls is FusedSGD else "exp_avg"
-    nan_bits = torch.tensor(NAN_BITS, dtype=torch.int64).to(torch.int32)
+    nan_bits = torch.tensor(NAN_BITS * copies, dtype=torch.int64).to(torch.int32)
     opt.state[param][moment].view(torch.int32).copy_(nan_bits)
     opt.step()
     assert param.detach().float().isnan().all()

@@ -1,6 +1,6 @@
-// Half staging for the CPU kernel builds ([note: half staging]): fp16/bf16 tiles converted to
-// fp32 buffers and back with vector instructions. Included by csrc/cpu/kernels/*.cpp only, after
-// their ISA preamble.
+// Half staging for the CPU kernel builds ([note: half staging]): fp16/bf16 values (and bf16
+// params with their remainders) converted to fp32 buffers and back with vector instructions.
+// Included by csrc/cpu/kernels/*.cpp only, after their ISA preamble.
 #pragma once
 
 #include "fusedamp/math/master.h"
@@ -20,9 +20,11 @@ inline namespace FUSEDAMP_ISA {
 // convert half data one vector at a time (for_each_stage_group) into fp32 buffers (fp16 with the
 // F16C/AVX-512 instructions, bf16 with the integer rounding of dtypes.h's float_to_bf16 written
 // in vector intrinsics: both round to nearest even with the same NaN rule, so the results are
-// identical), run the same per-element math on the buffers as fp32, and convert back. The
-// element loop must be inlined into each group (always_inline): then the buffers stay in
-// registers, where a call per group cost a third of the bf16 AdamW step.
+// identical), run the same per-element math on the buffers as fp32, and convert back. A bf16
+// param with a remainder master goes the same way, joined with its remainder into the fp32
+// master and split again (master.h's integer join and split, in vector intrinsics). Every
+// helper here, and the kernels' element loops, are always_inline: a call per group (which g++
+// makes once a file's inlining budget runs out) cost a third of the bf16 AdamW step.
 constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
 constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
 
@@ -30,7 +32,7 @@ constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
 // the full groups n is a compile-time constant, so each group's conversions and math compile to
 // straight vector code whose values stay in registers.
 template <typename Step>
-inline void for_each_stage_group(int64_t begin, int64_t end, Step&& step) {
+[[gnu::always_inline]] inline void for_each_stage_group(int64_t begin, int64_t end, Step&& step) {
   int64_t first = begin;
   for (; first + kStageLanes <= end; first += kStageLanes) {
     step(first, std::integral_constant<int64_t, kStageLanes>{});
@@ -38,7 +40,7 @@ inline void for_each_stage_group(int64_t begin, int64_t end, Step&& step) {
   if (first < end) step(first, end - first);
 }
 
-inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
+[[gnu::always_inline]] inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   for (; i + 16 <= n; i += 16) {
@@ -54,7 +56,7 @@ inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = fp16_to_float(src[i]);
 }
 
-inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
+[[gnu::always_inline]] inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   for (; i + 16 <= n; i += 16) {
@@ -73,7 +75,7 @@ inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
 
 // dtypes.h's bf16_to_float (the bits shifted up by 16), a vector at a time: element-wise stores
 // would stall the vector loads that read the tile right after (no store-to-load forwarding).
-inline void bf16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
+[[gnu::always_inline]] inline void bf16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   for (; i + 16 <= n; i += 16) {
@@ -93,7 +95,7 @@ inline void bf16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
 
 // dtypes.h's float_to_bf16, lane by lane: round to nearest even on the bit pattern, NaN to
 // (bits >> 16) | 0x40.
-inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+[[gnu::always_inline]] inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   const __m512i one = _mm512_set1_epi32(1), half_ulp = _mm512_set1_epi32(0x7fff);
@@ -129,8 +131,76 @@ inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+// master.h's join_bf16_remainder, a vector at a time: the fp32 master of a bf16 param and its
+// int16 remainder ([note: remainder encoding]).
+[[gnu::always_inline]] inline void remainder_tile_to_float(const uint16_t* high, const int16_t* remainder,
+                                                           float* dst, int64_t n) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 16
+  const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
+  for (; i + 16 <= n; i += 16) {
+    const __m256i high_halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i));
+    const __m256i low_halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(remainder + i));
+    const __m512i top = _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, high_halves), 16);
+    const __m512i low = _mm512_maskz_cvtepi16_epi32(all, low_halves);
+    _mm512_storeu_si512(dst + i, _mm512_add_epi32(top, low));
+  }
+#elif FUSEDAMP_F16C_LANES == 8
+  for (; i + 8 <= n; i += 8) {
+    const __m128i high_halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + i));
+    const __m128i low_halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(remainder + i));
+    const __m256i top = _mm256_slli_epi32(_mm256_cvtepu16_epi32(high_halves), 16);
+    const __m256i low = _mm256_cvtepi16_epi32(low_halves);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_add_epi32(top, low));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = join_bf16_remainder(high[i], remainder[i]);
+}
+
+// master.h's split_bf16_remainder, a vector at a time: high = (bits + 0x8000) >> 16 and
+// remainder = bits - (high << 16), which lies within int16; a NaN gives the quiet bf16 NaN
+// (bits >> 16) | 0x40 and a zero remainder.
+[[gnu::always_inline]] inline void float_tile_to_remainder(const float* src, uint16_t* high,
+                                                           int16_t* remainder, int64_t n) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 16
+  const __m512i half = _mm512_set1_epi32(0x8000), quiet = _mm512_set1_epi32(0x40);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, half), 16);
+    const __m512i top = _mm512_mask_or_epi32(rounded, nan, _mm512_maskz_srli_epi32(all, bits, 16), quiet);
+    const __m512i top_bits = _mm512_maskz_slli_epi32(all, top, 16);
+    const __m512i low = _mm512_maskz_sub_epi32(_knot_mask16(nan), bits, top_bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + i), _mm512_maskz_cvtepi32_epi16(all, top));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(remainder + i), _mm512_maskz_cvtepi32_epi16(all, low));
+  }
+#elif FUSEDAMP_F16C_LANES == 8
+  const __m256i half = _mm256_set1_epi32(0x8000), quiet = _mm256_set1_epi32(0x40);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
+    // Both sides are below 2^31 here, so the signed comparison is the unsigned one.
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, half), 16);
+    const __m256i top = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet), nan);
+    const __m256i low = _mm256_andnot_si256(nan, _mm256_sub_epi32(bits, _mm256_slli_epi32(top, 16)));
+    // One unsigned-saturating pack of both (top fits in 16 bits, and low does once its sign
+    // extension is masked off) leaves each 128-bit lane as 4 tops, 4 lows; the lane gather then
+    // puts the 8 tops in the low half and the 8 lows in the high half.
+    const __m256i low_bits = _mm256_and_si256(low, _mm256_set1_epi32(0xffff));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, low_bits), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), _mm256_castsi256_si128(packed));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(remainder + i), _mm256_extracti128_si256(packed, 1));
+  }
+#endif
+  for (; i < n; ++i) split_bf16_remainder(src[i], high[i], remainder[i]);
+}
+
 template <DType T>
-void half_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
+[[gnu::always_inline]] inline void half_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   if constexpr (T == DType::kFloat16) {
     fp16_tile_to_float(src, dst, n);
   } else {
@@ -139,7 +209,7 @@ void half_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
 }
 
 template <DType T>
-void float_tile_to_half(const float* src, uint16_t* dst, int64_t n) {
+[[gnu::always_inline]] inline void float_tile_to_half(const float* src, uint16_t* dst, int64_t n) {
   if constexpr (T == DType::kFloat16) {
     float_tile_to_fp16(src, dst, n);
   } else {
@@ -153,23 +223,29 @@ constexpr DType staged = (kStageHalf && T != DType::kFloat32) ? DType::kFloat32 
 // The same for read-only passes, which only widen: bf16 widens with one shift in the loop.
 template <DType T>
 constexpr DType staged_read = (kStageHalf && T == DType::kFloat16) ? DType::kFloat32 : T;
-// A bf16 param with remainder masters is never staged: the remainder needs its bits.
+// A staged bf16 param with a remainder master is joined with it into one fp32 value, which the
+// math then updates as a param without a master (split again by unstage_tile).
 template <DType P, MasterKind M>
-constexpr DType staged_param = M == MasterKind::kRemainder ? P : staged<P>;
+constexpr MasterKind staged_master =
+    (P != staged<P> && M == MasterKind::kRemainder) ? MasterKind::kNone : M;
 
 // Pointers of one optimizer tensor moved to element `offset`, with half params and grads
 // replaced by fp32 tile buffers (see [note: half staging]). The param is converted in only when
-// the math reads it (not when an fp32 master holds the value).
+// the math reads it: not when an fp32 master holds the value, joined with its remainder when one
+// completes it.
 template <DType P, DType G, MasterKind M, typename Pointers>
-Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n, float* param_tile,
-                     float* grad_tile) {
+[[gnu::always_inline]] inline Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n,
+                                                   float* param_tile, float* grad_tile) {
   Pointers s = t;
   s.param = static_cast<storage_t<P>*>(t.param) + offset;
   s.grad = static_cast<storage_t<G>*>(t.grad) + offset;
   if constexpr (M != MasterKind::kNone) s.master = static_cast<master_storage_t<M>*>(t.master) + offset;
-  if constexpr (P != staged_param<P, M>) {
+  if constexpr (P != staged<P>) {
     if constexpr (M == MasterKind::kNone) {
       half_tile_to_float<P>(static_cast<uint16_t*>(s.param), param_tile, n);
+    } else if constexpr (M == MasterKind::kRemainder) {
+      remainder_tile_to_float(static_cast<uint16_t*>(s.param), static_cast<int16_t*>(s.master),
+                              param_tile, n);
     }
     s.param = param_tile;
   }
@@ -180,11 +256,16 @@ Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n, float* param_
   return s;
 }
 
-// Writes a tile's staged half param (and grad, when the step writes grads) back.
+// Writes a tile's staged half param (split into param and remainder when a remainder completes
+// it) and grad (when the step writes grads) back.
 template <DType P, DType G, MasterKind M, typename Pointers>
-void unstage_tile(const Pointers& t, int64_t offset, int64_t n, const float* param_tile,
-                  const float* grad_tile, bool write_grad) {
-  if constexpr (P != staged_param<P, M>) {
+[[gnu::always_inline]] inline void unstage_tile(const Pointers& t, int64_t offset, int64_t n,
+                                                const float* param_tile, const float* grad_tile,
+                                                bool write_grad) {
+  if constexpr (P != staged<P> && M == MasterKind::kRemainder) {
+    float_tile_to_remainder(param_tile, static_cast<uint16_t*>(t.param) + offset,
+                            static_cast<int16_t*>(t.master) + offset, n);
+  } else if constexpr (P != staged<P>) {
     float_tile_to_half<P>(param_tile, static_cast<uint16_t*>(t.param) + offset, n);
   }
   if constexpr (G != staged<G>) {

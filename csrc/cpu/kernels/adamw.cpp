@@ -25,14 +25,15 @@ template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
                  int64_t begin, int64_t end) {
-  if constexpr (P != staged_param<P, M> || G != staged<G>) {
+  if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
       AdamWTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
       tile.exp_avg += first;
       tile.exp_avg_sq += first;
       if (kAmsgrad) tile.max_exp_avg_sq += first;
-      adamw_elements<staged_param<P, M>, staged<G>, M, kAmsgrad, kWriteGrad>(tile, c, multiplier, 0, n);
+      adamw_elements<staged<P>, staged<G>, staged_master<P, M>, kAmsgrad, kWriteGrad>(
+          tile, c, multiplier, 0, n);
       unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     });
   } else {

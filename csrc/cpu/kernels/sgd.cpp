@@ -24,12 +24,13 @@ template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
                int64_t begin, int64_t end) {
-  if constexpr (P != staged_param<P, M> || G != staged<G>) {
+  if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
       SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
       if (kHasMomentum) tile.momentum_buffer += first;
-      sgd_elements<staged_param<P, M>, staged<G>, M, kHasMomentum, kWriteGrad>(tile, c, multiplier, 0, n);
+      sgd_elements<staged<P>, staged<G>, staged_master<P, M>, kHasMomentum, kWriteGrad>(
+          tile, c, multiplier, 0, n);
       unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     });
   } else {
