@@ -26,7 +26,8 @@ inline namespace FUSEDAMP_ISA {
 // helper here, and the kernels' element loops, are always_inline: a call per group (which g++
 // makes once a file's inlining budget runs out) cost a third of the bf16 AdamW step.
 constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
-constexpr int64_t kStageLanes = kStageHalf ? FUSEDAMP_F16C_LANES : 1;
+// 16 values a group on both builds: AVX2 narrows two vectors of bf16 with one pack.
+constexpr int64_t kStageLanes = kStageHalf ? 16 : 1;
 
 // step(first, n) for the groups of kStageLanes values in [begin, end), the last one partial. In
 // the full groups n is a compile-time constant, so each group's conversions and math compile to
@@ -93,38 +94,47 @@ template <typename Step>
   for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
+#if FUSEDAMP_F16C_LANES == 8
+// dtypes.h's float_to_bf16 on 8 lanes, each bf16 in the low half of its 32-bit lane.
+[[gnu::always_inline]] inline __m256i bf16_bits_in_lanes(__m256 value) {
+  const __m256i bits = _mm256_castps_si256(value);
+  const __m256i high = _mm256_srli_epi32(bits, 16);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(high, _mm256_set1_epi32(1)));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+#endif
+
 // dtypes.h's float_to_bf16, lane by lane: round to nearest even on the bit pattern, NaN to
 // (bits >> 16) | 0x40.
 [[gnu::always_inline]] inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   const __m512i one = _mm512_set1_epi32(1), half_ulp = _mm512_set1_epi32(0x7fff);
-  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
   const __m512i quiet = _mm512_set1_epi32(0x40);
   const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
   for (; i + 16 <= n; i += 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
+    const __m512 value = _mm512_loadu_ps(src + i);
+    const __m512i bits = _mm512_castps_si512(value);
     const __m512i high = _mm512_maskz_srli_epi32(all, bits, 16);
     const __m512i bias = _mm512_add_epi32(half_ulp, _mm512_and_si512(high, one));
     const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, bias), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
     const __m512i result = _mm512_mask_or_epi32(rounded, nan, high, quiet);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_maskz_cvtepi32_epi16(all, result));
   }
 #elif FUSEDAMP_F16C_LANES == 8
-  const __m256i one = _mm256_set1_epi32(1), half_ulp = _mm256_set1_epi32(0x7fff);
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-  const __m256i quiet = _mm256_set1_epi32(0x40);
+  // Two vectors at a time: one pack and one lane gather narrow both.
+  for (; i + 16 <= n; i += 16) {
+    const __m256i low = bf16_bits_in_lanes(_mm256_loadu_ps(src + i));
+    const __m256i high = bf16_bits_in_lanes(_mm256_loadu_ps(src + i + 8));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
   for (; i + 8 <= n; i += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
-    const __m256i high = _mm256_srli_epi32(bits, 16);
-    const __m256i bias = _mm256_add_epi32(half_ulp, _mm256_and_si256(high, one));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-    // Both sides are below 2^31 here, so the signed comparison is the unsigned one.
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
-    const __m256i result = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
-    // packus keeps each 128-bit lane's four values in its low half: gather both halves.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(result, result), 0x08);
+    const __m256i lanes = bf16_bits_in_lanes(_mm256_loadu_ps(src + i));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lanes, lanes), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
   }
 #endif
@@ -165,11 +175,11 @@ template <typename Step>
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   const __m512i half = _mm512_set1_epi32(0x8000), quiet = _mm512_set1_epi32(0x40);
-  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
   const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
   for (; i + 16 <= n; i += 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + i));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    const __m512 value = _mm512_loadu_ps(src + i);
+    const __m512i bits = _mm512_castps_si512(value);
+    const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
     const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, half), 16);
     const __m512i top = _mm512_mask_or_epi32(rounded, nan, _mm512_maskz_srli_epi32(all, bits, 16), quiet);
     const __m512i top_bits = _mm512_maskz_slli_epi32(all, top, 16);
@@ -178,22 +188,24 @@ template <typename Step>
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(remainder + i), _mm512_maskz_cvtepi32_epi16(all, low));
   }
 #elif FUSEDAMP_F16C_LANES == 8
-  const __m256i half = _mm256_set1_epi32(0x8000), quiet = _mm256_set1_epi32(0x40);
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-  for (; i + 8 <= n; i += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(src + i));
-    // Both sides are below 2^31 here, so the signed comparison is the unsigned one.
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), inf);
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, half), 16);
-    const __m256i top = _mm256_blendv_epi8(rounded, _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet), nan);
-    const __m256i low = _mm256_andnot_si256(nan, _mm256_sub_epi32(bits, _mm256_slli_epi32(top, 16)));
-    // One unsigned-saturating pack of both (top fits in 16 bits, and low does once its sign
-    // extension is masked off) leaves each 128-bit lane as 4 tops, 4 lows; the lane gather then
-    // puts the 8 tops in the low half and the 8 lows in the high half.
-    const __m256i low_bits = _mm256_and_si256(low, _mm256_set1_epi32(0xffff));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, low_bits), 0xd8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(high + i), _mm256_castsi256_si128(packed));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(remainder + i), _mm256_extracti128_si256(packed, 1));
+  // Two vectors at a time: one pack and one lane gather narrow both (the remainders as their
+  // low 16 bits, so that the unsigned-saturating pack keeps them).
+  for (; i + 16 <= n; i += 16) {
+    __m256i top[2], low[2];
+    for (int part = 0; part < 2; ++part) {
+      const __m256 value = _mm256_loadu_ps(src + i + 8 * part);
+      const __m256i bits = _mm256_castps_si256(value);
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
+      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x8000)), 16);
+      const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+      top[part] = _mm256_blendv_epi8(rounded, quiet_nan, nan);
+      const __m256i rest = _mm256_sub_epi32(bits, _mm256_slli_epi32(top[part], 16));
+      low[part] = _mm256_andnot_si256(nan, _mm256_and_si256(rest, _mm256_set1_epi32(0xffff)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + i),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(top[0], top[1]), 0xd8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(remainder + i),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(low[0], low[1]), 0xd8));
   }
 #endif
   for (; i < n; ++i) split_bf16_remainder(src[i], high[i], remainder[i]);
