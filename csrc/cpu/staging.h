@@ -29,14 +29,14 @@ constexpr bool kStageHalf = FUSEDAMP_F16C_LANES > 0;
 // 16 values a group on both builds: AVX2 narrows two vectors of bf16 with one pack.
 constexpr int64_t kStageLanes = kStageHalf ? 16 : 1;
 
-// step(first, n) for the groups of kStageLanes values in [begin, end), the last one partial. In
-// the full groups n is a compile-time constant, so each group's conversions and math compile to
+// step(first, n) for the groups of kGroup values in [begin, end), the last one partial. In the
+// full groups n is a compile-time constant, so each group's conversions and math compile to
 // straight vector code whose values stay in registers.
-template <typename Step>
+template <int64_t kGroup = kStageLanes, typename Step>
 [[gnu::always_inline]] inline void for_each_stage_group(int64_t begin, int64_t end, Step&& step) {
   int64_t first = begin;
-  for (; first + kStageLanes <= end; first += kStageLanes) {
-    step(first, std::integral_constant<int64_t, kStageLanes>{});
+  for (; first + kGroup <= end; first += kGroup) {
+    step(first, std::integral_constant<int64_t, kGroup>{});
   }
   if (first < end) step(first, end - first);
 }
