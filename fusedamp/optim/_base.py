@@ -43,6 +43,8 @@ from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts, on_device
 __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
 _SUPPORTED_DTYPES = (torch.float32, *HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
+# Tensor types that are never a DTensor: the step takes them as they are.
+_PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
 
 
 def torch_flags(
@@ -289,6 +291,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 yield group, param, grad
 
     def _buckets(self) -> list[Bucket]:
+        # Runs for every param at every step: the plain case takes the fewest Python steps.
         buckets: dict[tuple[int, torch.device, torch.dtype, torch.dtype], Bucket] = {}
         for group, param, grad in self._grads():
             key = (id(group), param.device, param.dtype, grad.dtype)
@@ -300,9 +303,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     group, param.device, master_key, state_keys, native=not has_kernel(param.dtype),
                     complex=param.is_complex(),
                 )
-            # DTensor (FSDP2) params are updated through their local shards.
-            work_param = _dtensor.local(param)
-            work_grad = _dtensor.local(grad)
+            if type(param) in _PLAIN_TENSORS and type(grad) in _PLAIN_TENSORS:
+                work_param, work_grad = param, grad
+            else:  # DTensor (FSDP2) params are updated through their local shards.
+                work_param = _dtensor.local(param)
+                work_grad = _dtensor.local(grad)
             # The common case, both contiguous, needs no further look at the layouts.
             if not (work_param.is_contiguous() and work_grad.is_contiguous()):
                 work_param, work_grad = kernel_layouts(bucket, work_param, work_grad)
