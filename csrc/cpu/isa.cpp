@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <fstream>
 #include <vector>
 
 #include "cpu/launcher.h"
@@ -71,6 +72,18 @@ int64_t parallel_for_threads() {
   int64_t count = 0;
   for (const auto& flag : used) count += flag.load();
   return count;
+}
+
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    std::ifstream size_file("/sys/devices/system/cpu/cpu0/cache/index3/size");
+    int64_t size = 0;
+    char unit = 'B';
+    if (!(size_file >> size) || size <= 0) return int64_t(32) << 20;
+    size_file >> unit;
+    return unit == 'K' ? size << 10 : unit == 'M' ? size << 20 : unit == 'G' ? size << 30 : size;
+  }();
+  return bytes;
 }
 
 }  // namespace cpu

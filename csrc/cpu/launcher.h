@@ -9,6 +9,7 @@
 #include <atomic>
 #include <vector>
 
+#include "cpu/isa.h"
 #include "fusedamp/multi_tensor_plan.h"
 
 #if AT_PARALLEL_OPENMP && !defined(_OPENMP)
@@ -68,6 +69,15 @@ std::vector<Partial> reduce_per_tensor(const std::vector<int64_t>& numels, const
   std::vector<Partial> per_tensor(numels.size(), identity);
   for (size_t k = 0; k < tasks.size(); ++k) combine(per_tensor[tasks[k].tensor], partials[k]);
   return per_tensor;
+}
+
+// Whether an optimizer call writes its half params with non-temporal stores ([note: streaming
+// param stores] in cpu/staging.h): when it moves more than twice the last-level cache, so that
+// the params it writes would be evicted before the next forward pass reads them anyway.
+inline bool stream_param_stores(const std::vector<int64_t>& numels, int64_t bytes_per_element) {
+  int64_t elements = 0;
+  for (const int64_t numel : numels) elements += numel;
+  return elements * bytes_per_element > 2 * last_level_cache_bytes();
 }
 
 // The step counts of an optimizer call (fp32 scalars), after its update.

@@ -24,7 +24,7 @@ template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
-                 int64_t begin, int64_t end) {
+                 int64_t begin, int64_t end, bool stream_params) {
   if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
@@ -34,15 +34,16 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
       if (kAmsgrad) tile.max_exp_avg_sq += first;
       adamw_elements<staged<P>, staged<G>, staged_master<P, M>, kAmsgrad, kWriteGrad>(
           tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad, stream_params);
     });
+    finish_param_stream<M>(stream_params);
   } else {
     adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, begin, end);
   }
 }
 
 void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, int64_t tensor,
-                 int64_t begin, int64_t end) {
+                 int64_t begin, int64_t end, bool stream_params) {
   const auto& lists = call.lists.pointers;
   const AdamWTensorPointers pointers{
       lists[kAdamWParam][tensor], lists[kAdamWGrad][tensor], lists[kAdamWMaster][tensor],
@@ -56,7 +57,7 @@ void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, i
         with_bool(call.hyper.amsgrad, [&](auto amsgrad) {
           with_bool(call.inputs.write_grad, [&](auto write_grad) {
             adamw_range<p.value, g.value, m.value, amsgrad.value, write_grad.value>(
-                pointers, coefficients, multiplier, begin, end);
+                pointers, coefficients, multiplier, begin, end, stream_params);
           });
         });
       });
@@ -84,8 +85,10 @@ void adamw_cpu(const AdamWCall& call) {
                                               h.maximize, double(*static_cast<float*>(step)) + 1.0));
   }
   const AdamWCall::CpuChunk chunk = cpu_chunk<AdamWCall>();
+  // Bytes a param moves: p, g, m, v and an fp32 master, about (see bench_optim's JOB_BYTES).
+  const bool stream = stream_param_stores(call.lists.numels, 28);
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
-    chunk(call, coefficients[tensor], tensor, begin, end);
+    chunk(call, coefficients[tensor], tensor, begin, end, stream);
   });
   increment_steps(steps);
 }

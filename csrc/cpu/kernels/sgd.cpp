@@ -23,7 +23,7 @@ template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
-               int64_t begin, int64_t end) {
+               int64_t begin, int64_t end, bool stream_params) {
   if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
@@ -31,15 +31,16 @@ void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float m
       if (kHasMomentum) tile.momentum_buffer += first;
       sgd_elements<staged<P>, staged<G>, staged_master<P, M>, kHasMomentum, kWriteGrad>(
           tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad, stream_params);
     });
+    finish_param_stream<M>(stream_params);
   } else {
     sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, begin, end);
   }
 }
 
 void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t tensor,
-               int64_t begin, int64_t end) {
+               int64_t begin, int64_t end, bool stream_params) {
   const auto& lists = call.lists.pointers;
   const SgdTensorPointers pointers{lists[kSgdParam][tensor], lists[kSgdGrad][tensor],
                                    lists[kSgdMaster][tensor],
@@ -51,7 +52,7 @@ void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t
         with_bool(coefficients.momentum != 0.0f, [&](auto has_momentum) {
           with_bool(call.inputs.write_grad, [&](auto write_grad) {
             sgd_range<p.value, g.value, m.value, has_momentum.value, write_grad.value>(
-                pointers, coefficients, multiplier, begin, end);
+                pointers, coefficients, multiplier, begin, end, stream_params);
           });
         });
       });
@@ -80,8 +81,10 @@ void sgd_cpu(const SgdCall& call) {
                                             h.nesterov, h.maximize, first_step));
   }
   const SgdCall::CpuChunk chunk = cpu_chunk<SgdCall>();
+  // Bytes a param moves with momentum and an fp32 master, about (see bench_optim's JOB_BYTES).
+  const bool stream = stream_param_stores(call.lists.numels, 20);
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
-    chunk(call, coefficients[tensor], tensor, begin, end);
+    chunk(call, coefficients[tensor], tensor, begin, end, stream);
   });
   increment_steps(steps);
 }
