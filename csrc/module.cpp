@@ -198,6 +198,8 @@ PYBIND11_MODULE(_C, m) {
         "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
+  m.def("last_level_cache_bytes", &fusedamp::cpu::last_level_cache_bytes,
+        "The last-level cache the CPU optimizers size their param stores by, in bytes.");
 #ifdef FUSEDAMP_WITH_CUDA
   m.attr("cuda_compiled") = true;
 #else

@@ -54,4 +54,7 @@ def build_info() -> dict[str, Any]:
         "cpu_isa": _C.cpu_isa(),
         # Threads the CPU ops really use: torch.get_num_threads() unless OpenMP was lost.
         "cpu_threads": _C.parallel_for_threads(),
+        # The L3 the CPU optimizers compare a call's bytes with (csrc/cpu/staging.h, streaming
+        # param stores).
+        "cpu_cache_bytes": _C.last_level_cache_bytes(),
     }

@@ -4,6 +4,7 @@ dispatch failing loudly on a combination it has no kernel for, ISA code kept in 
 from __future__ import annotations
 
 import bisect
+import os
 import platform
 import subprocess
 
@@ -25,6 +26,16 @@ def test_cpu_ops_run_on_every_torch_thread() -> None:
     finally:
         torch.set_num_threads(previous)
     assert fusedamp.build_info()["cpu_threads"] == torch.get_num_threads()
+
+
+def test_build_info_reports_the_cache_the_cpu_optimizers_size_their_stores_by() -> None:
+    """The L3 that Linux lists for cpu0 (sysconf's can be the whole socket's in a VM), else 32 MiB."""
+    expected = 32 << 20
+    size_path = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+    if os.path.exists(size_path):
+        text = open(size_path).read().strip()
+        expected = int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    assert fusedamp.build_info()["cpu_cache_bytes"] == expected
 
 
 @pytest.mark.parametrize(

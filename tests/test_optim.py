@@ -15,6 +15,7 @@ import torch
 from conftest import needs_cuda
 from torch import Tensor
 
+import fusedamp
 import fusedamp.optim.adamw
 import fusedamp.optim.sgd
 from fusedamp import ops
@@ -444,17 +445,9 @@ def test_cpu_and_cuda_params_in_one_optimizer() -> None:
 
 
 # [note: streaming param stores] (csrc/cpu/staging.h): a CPU step that moves more than twice the
-# last-level cache writes its half params with non-temporal stores. The driver's rule and cache
-# size (csrc/cpu/isa.cpp last_level_cache_bytes).
+# last-level cache writes its half params with non-temporal stores (the drivers' rule).
 def _elements_that_stream(bytes_per_element: int) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    try:
-        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as size_file:
-            text = size_file.read().strip()
-        cache = int(text.rstrip("KMG")) * units.get(text[-1], 1)
-    except (OSError, ValueError):
-        cache = 0
-    return 2 * (cache or 32 << 20) // bytes_per_element + 4099
+    return 2 * fusedamp.build_info()["cpu_cache_bytes"] // bytes_per_element + 4099
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -10,8 +10,8 @@ namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 namespace {
 
-// Half grads go through fp32 one vector at a time ([note: half staging]), with one flag and one
-// sum per lane: the groups add to them lane by lane, and the lanes are combined once at the end.
+// Half grads go through fp32 one vector at a time ([note: half staging]), with one flag per
+// lane: the groups set them lane by lane, and the lanes are combined once at the end.
 template <DType G>
 bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
   if constexpr (G != staged<G>) {
