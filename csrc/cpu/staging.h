@@ -180,7 +180,9 @@ template <MasterKind M>
 }
 
 // master.h's join_bf16_remainder, a vector at a time: the fp32 master of a bf16 param and its
-// int16 remainder ([note: remainder encoding]).
+// int16 remainder ([note: remainder encoding]), the remainder dropped where it cannot belong to
+// the param: a zero param with a negative one, an infinite param with a positive one ([note:
+// edited params]).
 [[gnu::always_inline]] inline void remainder_tile_to_float(const uint16_t* high, const int16_t* remainder,
                                                            float* dst, int64_t n) {
   int64_t i = 0;
@@ -189,17 +191,29 @@ template <MasterKind M>
   for (; i + 16 <= n; i += 16) {
     const __m256i high_halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i));
     const __m256i low_halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(remainder + i));
-    const __m512i top = _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, high_halves), 16);
+    const __m512i wide = _mm512_maskz_cvtepu16_epi32(all, high_halves);
     const __m512i low = _mm512_maskz_cvtepi16_epi32(all, low_halves);
-    _mm512_storeu_si512(dst + i, _mm512_add_epi32(top, low));
+    const __m512i magnitude = _mm512_and_si512(wide, _mm512_set1_epi32(0x7fff));
+    const __m512i zero = _mm512_setzero_si512();
+    const __mmask16 edited =
+        (_mm512_cmpeq_epi32_mask(magnitude, zero) & _mm512_cmplt_epi32_mask(low, zero)) |
+        (_mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7f80)) & _mm512_cmpgt_epi32_mask(low, zero));
+    const __m512i top = _mm512_maskz_slli_epi32(all, wide, 16);
+    _mm512_storeu_si512(dst + i, _mm512_mask_add_epi32(top, _knot_mask16(edited), top, low));
   }
 #elif FUSEDAMP_F16C_LANES == 8
   for (; i + 8 <= n; i += 8) {
     const __m128i high_halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(high + i));
     const __m128i low_halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(remainder + i));
-    const __m256i top = _mm256_slli_epi32(_mm256_cvtepu16_epi32(high_halves), 16);
+    const __m256i wide = _mm256_cvtepu16_epi32(high_halves);
     const __m256i low = _mm256_cvtepi16_epi32(low_halves);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_add_epi32(top, low));
+    const __m256i magnitude = _mm256_and_si256(wide, _mm256_set1_epi32(0x7fff));
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i edited = _mm256_or_si256(
+        _mm256_and_si256(_mm256_cmpeq_epi32(magnitude, zero), _mm256_cmpgt_epi32(zero, low)),
+        _mm256_and_si256(_mm256_cmpeq_epi32(magnitude, _mm256_set1_epi32(0x7f80)), _mm256_cmpgt_epi32(low, zero)));
+    const __m256i top = _mm256_slli_epi32(wide, 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_add_epi32(top, _mm256_andnot_si256(edited, low)));
   }
 #endif
   for (; i < n; ++i) dst[i] = join_bf16_remainder(high[i], remainder[i]);
@@ -249,6 +263,59 @@ template <MasterKind M>
   for (; i < n; ++i) split_bf16_remainder(src[i], high[i], remainder[i]);
 }
 
+// master.h's master_or_edited_param on a tile, in place: where a half param is not its fp32
+// master rounded to nearest even (the param was edited outside the step, [note: edited params]),
+// the param's value replaces the master. A vector with no edited lane stores nothing.
+template <DType P>
+[[gnu::always_inline]] inline void reseed_edited_masters(const uint16_t* param, float* master, int64_t n) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 16
+  const __mmask16 all = 0xffff;  // the maskz forms: see fp16_tile_to_float
+  for (; i + 16 <= n; i += 16) {
+    const __m512 value = _mm512_loadu_ps(master + i);
+    const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(param + i));
+    __mmask16 edited;
+    __m512 widened;
+    if constexpr (P == DType::kFloat16) {
+      const __m256i rounded = _mm512_maskz_cvtps_ph(all, value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      edited = _mm256_cmpneq_epi16_mask(rounded, halves);
+      widened = _mm512_maskz_cvtph_ps(all, halves);
+    } else {
+      const __m512i bits = _mm512_castps_si512(value);
+      const __m512i high = _mm512_maskz_srli_epi32(all, bits, 16);
+      const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+      const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, bias), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+      const __m512i expected = _mm512_mask_or_epi32(rounded, nan, high, _mm512_set1_epi32(0x40));
+      const __m512i wide = _mm512_maskz_cvtepu16_epi32(all, halves);
+      edited = _mm512_cmpneq_epi32_mask(expected, wide);
+      widened = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, wide, 16));
+    }
+    if (edited) _mm512_storeu_ps(master + i, _mm512_mask_mov_ps(value, edited, widened));
+  }
+#elif FUSEDAMP_F16C_LANES == 8
+  for (; i + 8 <= n; i += 8) {
+    const __m256 value = _mm256_loadu_ps(master + i);
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(param + i));
+    __m256i kept;
+    __m256 widened;
+    if constexpr (P == DType::kFloat16) {
+      const __m128i rounded = _mm256_cvtps_ph(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      kept = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(rounded, halves));
+      widened = _mm256_cvtph_ps(halves);
+    } else {
+      const __m256i wide = _mm256_cvtepu16_epi32(halves);
+      kept = _mm256_cmpeq_epi32(bf16_bits_in_lanes(value), wide);
+      widened = _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    if (_mm256_movemask_epi8(kept) != -1) {
+      _mm256_storeu_ps(master + i, _mm256_blendv_ps(widened, value, _mm256_castsi256_ps(kept)));
+    }
+  }
+#endif
+  for (; i < n; ++i) master[i] = master_or_edited_param<P>(master[i], param[i]);
+}
+
 template <DType T>
 [[gnu::always_inline]] inline void half_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   if constexpr (T == DType::kFloat16) {
@@ -282,8 +349,8 @@ constexpr MasterKind staged_master =
 
 // Pointers of one optimizer tensor moved to element `offset`, with half params and grads
 // replaced by fp32 tile buffers (see [note: half staging]). The param is converted in only when
-// the math reads it: not when an fp32 master holds the value, joined with its remainder when one
-// completes it.
+// the math reads it: not when an fp32 master holds the value (it is compared with the master,
+// [note: edited params]), joined with its remainder when one completes it.
 template <DType P, DType G, MasterKind M, typename Pointers>
 [[gnu::always_inline]] inline Pointers staged_tile(const Pointers& t, int64_t offset, int64_t n,
                                                    float* param_tile, float* grad_tile) {
@@ -294,6 +361,8 @@ template <DType P, DType G, MasterKind M, typename Pointers>
   if constexpr (P != staged<P>) {
     if constexpr (M == MasterKind::kNone) {
       half_tile_to_float<P>(static_cast<uint16_t*>(s.param), param_tile, n);
+    } else if constexpr (M == MasterKind::kFloat32) {
+      reseed_edited_masters<P>(static_cast<uint16_t*>(s.param), static_cast<float*>(s.master), n);
     } else if constexpr (M == MasterKind::kRemainder) {
       remainder_tile_to_float(static_cast<uint16_t*>(s.param), static_cast<int16_t*>(s.master),
                               param_tile, n);

@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     ElementGroup<master_storage_t<M>, E> master_group;
     ElementGroup<float, E> exp_avg_group, exp_avg_sq_group, max_exp_avg_sq_group;
     grad_group.load(grad, first, count, vector);
-    // Load what load_master reads and nothing more: a full fp32 master replaces the param.
-    if constexpr (M != MasterKind::kFloat32) param_group.load(param, first, count, vector);
+    // The param even with an fp32 master: load_master compares them ([note: edited params]).
+    param_group.load(param, first, count, vector);
     if constexpr (M != MasterKind::kNone) master_group.load(master, first, count, vector);
     exp_avg_group.load(exp_avg, first, count, vector);
     exp_avg_sq_group.load(exp_avg_sq, first, count, vector);

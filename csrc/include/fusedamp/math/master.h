@@ -26,8 +26,29 @@ FUSEDAMP_NAMESPACE_BEGIN
 // The param is the master rounded half-up on the bit pattern (differs from round-to-nearest-even
 // only on exact ties, by one bf16 ulp), which keeps the remainder within int16 and the
 // reconstruction exact: the fp32 master trajectory is bit-identical to kFloat32 mode.
+
+// [note: edited params] A param written outside the step (clamp_, zero_, copy_, p.data = t, a
+// model's load_state_dict, a torch.optim step on the same state) is what the next step starts
+// from, per element and with no flag to set (version counters miss p.data edits):
+// - an fp32 master: the step leaves the param equal to the master rounded to the param's dtype,
+//   so a param that is not that rounding was edited, and its value replaces the master
+//   (master_or_edited_param; reading the param costs 2 bytes a param).
+// - a remainder: an edited param joined with its old remainder is within half a bf16 ulp of the
+//   param (the master's own precision), except for the pairs that split never makes: a zero
+//   param with a negative remainder (the join is a NaN or has the other sign) and an infinite
+//   one with a positive remainder (a NaN). join_bf16_remainder reads those as the param alone.
 FUSEDAMP_HOST_DEVICE float join_bf16_remainder(uint16_t high, int16_t remainder) {
-  return float_from_bits((uint32_t(high) << 16) + uint32_t(int32_t(remainder)));
+  const uint32_t magnitude = high & 0x7fffu;
+  const bool edited = ((magnitude == 0u) & (remainder < 0)) | ((magnitude == 0x7f80u) & (remainder > 0));
+  return float_from_bits((uint32_t(high) << 16) + select_bits(edited, 0u, uint32_t(int32_t(remainder))));
+}
+
+// The value a step on a half param with an fp32 master starts from ([note: edited params]).
+template <DType P>
+FUSEDAMP_HOST_DEVICE float master_or_edited_param(float master, storage_t<P> param) {
+  storage_t<P> rounded;
+  store_float<P>(&rounded, 0, master);
+  return select_float(rounded == param, master, load_float<P>(&param, 0));
 }
 
 // A NaN master has no exact split (bits + 0x8000 would wrap a NaN into a signed zero): it becomes
@@ -44,7 +65,13 @@ FUSEDAMP_HOST_DEVICE float load_master(const void* param, const void* master, in
   if constexpr (M == MasterKind::kNone) {
     return load_float<P>(static_cast<const storage_t<P>*>(param), index);
   } else if constexpr (M == MasterKind::kFloat32) {
-    return static_cast<const float*>(master)[index];
+    const float value = static_cast<const float*>(master)[index];
+    // An fp32 param here is a staged tile (cpu/staging.h), whose master staged_tile checked.
+    if constexpr (P == DType::kFloat32) {
+      return value;
+    } else {
+      return master_or_edited_param<P>(value, static_cast<const storage_t<P>*>(param)[index]);
+    }
   } else {
     static_assert(P == DType::kBFloat16, "remainder masters need bf16 params");
     return join_bf16_remainder(static_cast<const uint16_t*>(param)[index],
