@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedamp.demo import budget, cli, hardware, report, train
+from fusedamp.demo import budget, cli, hardware, memory, report, train
 from fusedamp.demo.data import synthetic_fashion_mnist
 from fusedamp.demo.models import build_model, resnet18, resnet50
 
@@ -111,11 +111,16 @@ def test_demo_end_to_end(tmp_path, capsys, modes):
     assert "synthetic" in out and "NOT FashionMNIST" in out
     assert "hardware: " in out and "no time budget (--epochs given)" in out
     assert [r.mode for r in results] == modes.split(",")
-    assert "time/epoch" in out and "final scale" in out
+    assert "time/epoch" in out and "final scale" in out and "opt. step" in out
+    assert "memory per mode, counted from its tensors" in out and "what this run shows:" in out
+    assert "quality: test accuracy" in out and "resident" in out  # says the process's RSS is left out
     for result, stored in zip(results, saved["results"], strict=True):
         assert stored["mode"] == result.mode
         assert len(result.losses) == 192 // 32 and all(l == l for l in result.losses)  # noqa: E741
-        assert 0.0 <= result.accuracy <= 1.0 and result.peak_memory_bytes > 0
+        assert 0.0 <= result.accuracy <= 1.0 and result.memory.cuda_peak is None
+        assert min(result.memory.weights, result.memory.grads, result.memory.moments) > 0
+        assert result.memory.activations > 0 and len(result.step_times) == len(result.losses)
+        assert stored["memory"]["activations"] == result.memory.activations
         assert [step for step, _ in result.underflow] == [0, 2, 4]
         assert f"{result.mode:<12} epoch 1/1" in out
         assert result.block_samples == [32] * 6  # 6 steps of 32, one per turn
@@ -166,21 +171,99 @@ def test_modes_take_turns_block_by_block():
     ]
 
 
-def test_peak_memory_counts_each_modes_own_state():
+def two_linears():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+
+
+WEIGHTS = 8 * 16 + 16 + 16 * 4  # values of two_linears()'s three parameters
+
+
+def test_saved_activations_of_a_model_whose_bytes_are_known():
+    images = torch.randn(5, 8)  # data: no grad, so the first layer's weight is not saved
+    model = two_linears()
+    # fp32: the first layer's input and the ReLU's output (also the second layer's input); the
+    # second layer's weight is saved too, but it is the model's own, counted as weights.
+    out, saved = memory.saved_activation_bytes(model, lambda: model(images))
+    assert saved == 5 * 8 * 4 + 5 * 16 * 4 and out.shape == (5, 4)
+    # autocast: the same in bf16, plus the bf16 copy of the second weight autocast made.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, saved = memory.saved_activation_bytes(model, lambda: model(images))
+    assert saved == 5 * 8 * 2 + 5 * 16 * 2 + 16 * 4 * 2
+    # half weights (O2): the weights are the model's own again.
+    half = train.half_model(two_linears(), torch.bfloat16)
+    _, saved = memory.saved_activation_bytes(half, lambda: half(images))
+    assert saved == 5 * 8 * 2 + 5 * 16 * 2
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_optimizer_state_of_a_model_whose_bytes_are_known(master_weights):
+    from fusedamp.optim import FusedAdamW
+
+    model = train.half_model(two_linears(), torch.bfloat16) if master_weights else two_linears()
+    optimizer = FusedAdamW(model.parameters(), master_weights=master_weights)
+    model(torch.randn(3, 8)).float().sum().backward()
+    optimizer.step()
+    kinds, by_key = memory.optimizer_state_bytes(optimizer)
+    masters = 4 * WEIGHTS if master_weights else 0
+    assert kinds == {"masters": masters, "moments": 2 * 4 * WEIGHTS, "other": 3 * 4}  # a step per param
+    assert by_key["exp_avg fp32"] == by_key["exp_avg_sq fp32"] == 4 * WEIGHTS
+    assert by_key.get("master fp32", 0) == masters
+    assert memory.tensor_bytes(model.parameters()) == (2 if master_weights else 4) * WEIGHTS
+
+
+def test_optimizer_state_is_split_by_key_and_dtype_for_any_optimizer():
+    # Low-memory modes keep other keys and dtypes (int8 codes with fp32 block scales, no
+    # master, a seed): each lands in its column, and a storage shared by two entries counts once.
+    param = torch.nn.Parameter(torch.randn(300))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    shared = torch.zeros(4, dtype=torch.int64)
+    optimizer.state[param] = {
+        "exp_avg": torch.zeros(300, dtype=torch.int8), "exp_avg_scale": torch.zeros(2),
+        "exp_avg_sq": torch.zeros(300, dtype=torch.bfloat16), "master_remainder": torch.zeros(300, dtype=torch.int16),
+        "seed": shared, "seed_view": shared[:2], "step": 7,
+    }
+    kinds, by_key = memory.optimizer_state_bytes(optimizer)
+    assert kinds == {"masters": 600, "moments": 300 + 8 + 600, "other": 32}
+    assert by_key == {"exp_avg int8": 300, "exp_avg_scale fp32": 8, "exp_avg_sq bf16": 600,
+                      "master_remainder int16": 600, "seed int64": 32}
+    assert [memory.state_kind(key) for key in ("momentum_buffer", "max_exp_avg_sq", "master")] == [
+        "moments", "moments", "masters"]
+
+
+def test_memory_table_per_mode_from_the_tensors():
     data = synthetic_fashion_mnist(64, 16)
     config = train.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
-    run = train.ModeRun("fp32", config, torch.device("cpu"), torch.bfloat16)
-    images, labels = next(iter(train.batches(data.train, 32)))
-    run.micro_batch(images, labels)
-    model = run.recipe.model
-    params = sum(p.numel() * 4 for p in model.parameters())
+    modes = ["fp32", "torch-amp", "fusedamp", "fusedamp-o2"]
+    results = train.run_modes(modes, data, config, torch.device("cpu"), torch.bfloat16, io.StringIO())
+    model = build_model("resnet18", width=4)
+    values = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    steps = sum(s["step"].numel() * s["step"].element_size() for s in run.recipe.optimizer.state.values())
-    assert run.state_bytes() == 3 * params + buffers + steps  # weights, exp_avg, exp_avg_sq
-    results = train.run_modes(
-        ["fp32", "fusedamp-o2"], data, config, torch.device("cpu"), torch.bfloat16, io.StringIO()
-    )
-    assert all(r.peak_memory_bytes >= 3 * params for r in results)
+    steps = 4 * len(list(model.parameters()))
+    by_mode = {r.mode: r.memory for r in results}
+    for mode in ("fp32", "torch-amp", "fusedamp"):
+        m = by_mode[mode]
+        assert (m.weights, m.grads, m.masters, m.moments, m.other) == (
+            4 * values + buffers, 4 * values, 0, 8 * values, steps)
+    o2 = by_mode["fusedamp-o2"]
+    halves = values - norms  # BatchNorm stays fp32; everything else is bf16 with an fp32 master
+    assert (o2.weights, o2.grads, o2.masters, o2.moments, o2.other) == (
+        2 * halves + 4 * norms + buffers, 2 * halves + 4 * norms, 4 * halves, 8 * values, steps)
+    # bf16 activations: about half of fp32's (BatchNorm keeps some fp32 statistics).
+    for mode in ("torch-amp", "fusedamp", "fusedamp-o2"):
+        assert 0.4 < by_mode[mode].activations / by_mode["fp32"].activations < 0.75
+    assert by_mode["torch-amp"].activations == by_mode["fusedamp"].activations
+    assert all(m.total == m.weights + m.grads + m.optimizer + m.activations for m in by_mode.values())
+    table = report.memory_table(results)
+    assert table.splitlines()[0].split() == ["mode", "weights", "grads", "masters", "moments", "other",
+                                             "state", "activations", "total"]
+    assert "fusedamp-o2 optimizer state: step fp32" in table and "master fp32" in table
+    shows = report.findings(results, native=False, dtype="bf16")
+    assert any(line.startswith("memory against fp32's: activations saved for backward torch-amp 0.")
+               for line in shows)
+    assert any("optimizer step" in line and "fusedamp-o2" in line for line in shows)
+    assert any("no AMP speedup to show here" in line for line in shows)
 
 
 def test_demo_accumulate_steps_once_per_group(tmp_path):
@@ -233,9 +316,14 @@ def test_results_table_speedups_against_fp32():
         skipped_steps=1,
         final_scale=32768.0,
         underflow=[(0, 0.25), (10, 0.15)],
+        losses=[1.0, 0.5, 0.25],
+        step_times=[0.002, 0.001, 0.003],
     )
     table = report.results_table([fp32, amp]).splitlines()
-    assert table[0].split()[:6] == ["mode", "batch", "time/epoch", "samples/s", "speedup", "[min-max]"]
+    assert table[0].split()[:9] == ["mode", "batch", "steps", "time/epoch", "samples/s", "speedup", "[min-max]",
+                                    "opt.", "step"]
+    # The optimizer step: its median time and its share of the training time (6 ms of 2 s).
+    assert " 3 " in table[3] and "2.00 ms (0.3%)" in table[3] and table[2].split()[8] == "-"
     # Per block 1/0.5, 2/0.5, 1/1: median 2, range 1 to 4; samples/s the median block's 64/0.5.
     assert "1.00x [1.00-1.00]" in table[2] and "2.00x [1.00-4.00]" in table[3]
     assert " 128 " in table[3] and "20.00%" in table[3] and table[3].rstrip().endswith("32768")

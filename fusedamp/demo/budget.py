@@ -1,10 +1,13 @@
 """The demo's time budget: warm-up steps measure each mode's speed, then the run is sized to fit.
 
 A comparison of several modes costs the sum of their times, and the slowest mode decides it:
-on a CPU without native bf16 arithmetic an AMP step takes ~12x an fp32 step. :func:`measure`
-times each mode briefly on a throwaway model; :func:`plan_run` then picks how many training
-samples an epoch uses, how many test samples each epoch is tested on and, unless the epochs
-were given, how many epochs there are, so that the whole comparison fits the time left.
+on a CPU without native bf16 arithmetic an AMP step of the default ResNet-18 takes ~12x an
+fp32 step. :func:`measure` times each mode briefly on a throwaway model; :func:`plan_run` then
+picks how many training samples an epoch uses, how many test samples each epoch is tested on
+and, unless the epochs were given, how many epochs there are, so that the whole comparison
+fits the time left. A run must also learn: when the plan leaves a mode fewer than
+:data:`MIN_STEPS` optimizer steps, the demo measures the next smaller of its :data:`SIZES`
+(narrower, shallower, smaller batches) and takes the first that gets them.
 """
 
 from __future__ import annotations
@@ -19,11 +22,38 @@ import torch
 from fusedamp.demo.data import FashionMNIST, Split, batches
 from fusedamp.demo.train import EVAL_BATCH, ModeRun, RunConfig
 
-__all__ = ["Speed", "Plan", "measure", "estimate_seconds", "plan_run"]
+__all__ = ["MIN_STEPS", "SIZES", "Size", "Speed", "Plan", "measure", "estimate_seconds", "plan_run"]
 
+# Optimizer steps per mode a default run aims for: on the synthetic set every size below
+# reaches 75-80% test accuracy after 60 steps at the default learning rate, and 30-60% after
+# 30 (measured in fp32 on the dev machine).
+MIN_STEPS = 60
 PROBE = 32  # samples per micro-batch of the first, cheap measurement of a mode
 TEST_SHARE = 0.25  # testing gets at most this share of the time: the comparison is about training
 MIN_TEST = 100
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model and batch size the demo can train: ``model`` (a key of MODELS), ``width``
+    (channels of the first stage) and ``batch_size`` (every mode's micro-batch)."""
+
+    model: str
+    width: int
+    batch_size: int
+
+    def __str__(self) -> str:
+        return f"{self.model} width {self.width}, batch {self.batch_size}"
+
+
+# The sizes a time budget chooses among, largest first, by device type: the first is the
+# default; each next one costs ~2-4x less per step (a quarter of the channels' products, half
+# the blocks, or half the batch), for CPUs whose half-precision convolutions are slow.
+SIZES = {
+    "cuda": (Size("resnet18", 64, 128), Size("resnet18", 32, 128), Size("resnet18", 16, 128)),
+    "cpu": (Size("resnet18", 16, 128), Size("resnet18", 8, 64), Size("resnet10", 8, 64),
+            Size("resnet10", 8, 32)),
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +72,14 @@ class Plan:
     train_samples: int
     test_samples: int
     seconds: float
+
+    def steps(self, unit: int) -> int:
+        """Optimizer steps per mode when one step takes ``unit`` samples.
+
+        >>> Plan(3, 1792, 2000, 59.76).steps(128)
+        42
+        """
+        return self.epochs * (self.train_samples // unit)
 
 
 def _timed(work: Callable[[int], int], size: int) -> float:

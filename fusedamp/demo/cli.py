@@ -13,7 +13,7 @@ from fusedamp.demo import budget as budgets
 from fusedamp.demo import hardware as hardwares
 from fusedamp.demo.data import FashionMNIST, Split, load_fashion_mnist, synthetic_fashion_mnist
 from fusedamp.demo.models import MODELS, build_model
-from fusedamp.demo.report import plot_results, results_table, seed_comparison
+from fusedamp.demo.report import findings, memory_table, plot_results, results_table, seed_comparison
 from fusedamp.demo.train import DTYPES, MODES, ModeResult, RunConfig, run_modes
 
 __all__ = ["DEFAULT_TIME_BUDGET", "PRESETS", "Preset", "main"]
@@ -79,9 +79,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated modes to run (default: {','.join(MODES)})")
     parser.add_argument("--o2", action="store_true",
                         help="also run fusedamp-o2 when --modes leaves it out")
-    parser.add_argument("--model", choices=sorted(MODELS), default=None, help="default: resnet18")
+    parser.add_argument("--model", choices=sorted(MODELS), default=None,
+                        help="default: resnet18, or with a time budget the largest of the demo's sizes "
+                             f"that gives every mode {budgets.MIN_STEPS} optimizer steps (see --width)")
     parser.add_argument("--width", type=int, default=None,
-                        help="channels of the first stage (default: 64 on CUDA, 16 on CPU)")
+                        help="channels of the first stage (default: 64 on CUDA, 16 on CPU; with a time "
+                             "budget, where the warm-up finds too few steps fit: smaller, down to "
+                             f"{budgets.SIZES['cpu'][-1]} on CPU; giving --model, --width or "
+                             "--batch-size fixes the size)")
     parser.add_argument("--epochs", type=int, default=None,
                         help="exactly this many full epochs, with no time budget unless "
                              "--time-budget is given too (default: 3, fewer and shorter ones "
@@ -90,13 +95,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="warm-up steps measure each mode, then the run is sized to end "
                              f"within SECONDS of the start (default: {DEFAULT_TIME_BUDGET:g}; none "
                              "when --epochs is given, or for --preset seed on CUDA; 0: none)")
-    parser.add_argument("--batch-size", type=int, default=None, help="micro-batch size (default: 128)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="micro-batch size (default: 128, smaller when the time budget shrinks the size)")
     parser.add_argument("--amp-batch-size", type=int, default=None,
                         help="micro-batch size of the mixed-precision modes (default: --batch-size; "
                              "--preset seed: twice it)")
     parser.add_argument("--accumulate", type=int, default=1, metavar="N",
                         help="accumulate gradients over N micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=4e-3)
     parser.add_argument("--weight-decay", type=float, default=0.05)
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -139,11 +145,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace, preset: Preset | None, on_cuda: bool) -> RunConfig:
-    batch_size = args.batch_size or (preset.batch_size if preset else 128)
+    default = budgets.SIZES["cuda" if on_cuda else "cpu"][0]
+    batch_size = args.batch_size or (preset.batch_size if preset else default.batch_size)
     amp_batch_size = args.amp_batch_size or (preset.amp_batch_factor * batch_size if preset else None)
     return RunConfig(
-        model=args.model or (preset.model if preset else "resnet18"),
-        width=args.width or (preset.width if preset else 64 if on_cuda else 16),
+        model=args.model or (preset.model if preset else default.model),
+        width=args.width or (preset.width if preset else default.width),
         epochs=args.epochs or (preset.epochs if preset else 3),
         batch_size=batch_size, amp_batch_size=amp_batch_size, accumulate=args.accumulate, lr=args.lr,
         weight_decay=args.weight_decay, diag_every=args.diag_every, seed=args.seed,
@@ -160,6 +167,21 @@ def _data(args: argparse.Namespace, preset: Preset | None, on_cuda: bool) -> Fas
     train_size = args.train_size or (preset.train_size if preset else 60000 if large else 12000)
     test_size = args.test_size or (preset.test_size if preset else 10000 if large else 2000)
     return synthetic_fashion_mnist(train_size, test_size, seed=args.seed)
+
+
+def _sizes(args: argparse.Namespace, preset: Preset | None, config: RunConfig,
+           device: torch.device) -> list[budgets.Size]:
+    """The sizes the time budget may choose among: the demo's, unless the preset or the
+    command line fixed one."""
+    fixed = (args.model, args.width, args.batch_size, args.amp_batch_size)
+    if preset is not None or any(value is not None for value in fixed):
+        return [budgets.Size(config.model, config.width, config.batch_size)]
+    return list(budgets.SIZES["cuda" if device.type == "cuda" else "cpu"])
+
+
+def _parameters(config: RunConfig) -> float:
+    """The model's parameters, in millions."""
+    return sum(p.numel() for p in build_model(config.model, width=config.width).parameters()) / 1e6
 
 
 def _time_budget(args: argparse.Namespace, on_cuda: bool) -> tuple[float | None, str]:
@@ -206,32 +228,63 @@ def _print_hardware_advice(hardware: hardwares.Hardware, dtype_name: str, mode: 
         print(f"  - {line}")
 
 
+def _print_size(sizes: list[budgets.Size], chosen: int, steps: list[int], config: RunConfig) -> None:
+    """Says which of ``sizes`` the budget chose and why (``steps``: per mode, for each size tried)."""
+    size = sizes[chosen]
+    head = f"size: {size} ({_parameters(config):.2f} M params)"
+    if chosen == 0:
+        print(f"{head}, the default: every mode gets {_count(steps[0], 'optimizer step')} in the budget")
+    elif steps[chosen] >= budgets.MIN_STEPS:
+        print(f"{head}: the largest of the demo's sizes that gives every mode at least {budgets.MIN_STEPS} "
+              f"optimizer steps in the budget ({steps[chosen]}; {sizes[0]} would have given "
+              f"{steps[0]}): a run needs them to learn, and this machine's slowest mode sets the pace")
+    else:
+        print(f"{head}: the demo's smallest, and still only {_count(steps[chosen], 'optimizer step')} per "
+              f"mode fit, fewer than the {budgets.MIN_STEPS} a run needs to learn: expect a low accuracy, "
+              "or give it more time (--time-budget SECONDS)")
+
+
 def _fit_to_budget(modes: list[str], data: FashionMNIST, config: RunConfig, device: torch.device,
                    dtype: torch.dtype, seconds: float, deadline: float, epochs_fixed: bool,
-                   preset: Preset | None) -> budgets.Plan | dict[str, budgets.Speed]:
-    """Measures the modes and sizes the run (changes ``config`` and ``data.test``); returns the
-    plan, or the speeds measured when the warm-up ran out of time or not even the smallest run
-    fits (with ``epochs_fixed``, the smallest run with those epochs goes ahead regardless)."""
+                   preset: Preset | None,
+                   sizes: list[budgets.Size]) -> budgets.Plan | dict[str, budgets.Speed]:
+    """Measures the modes and sizes the run (changes ``config`` and ``data.test``): the first of
+    ``sizes`` that gives every mode ``budgets.MIN_STEPS`` optimizer steps (else the last);
+    returns the plan, or the speeds measured when the warm-up ran out of time or not even the
+    smallest run fits (with ``epochs_fixed``, the smallest run with those epochs goes ahead
+    regardless)."""
     started = time.perf_counter()
-    speeds = budgets.measure(modes, data, config, device, dtype, cheap=CHEAP_SHARE * seconds,
-                             deadline=started + WARM_UP_SHARE * (deadline - started))
-    rates = ", ".join(f"{mode} {1 / speed.train:,.0f}" for mode, speed in speeds.items())
-    print(f"warm-up ({time.perf_counter() - started:.1f} s), training samples/s: {rates}")
-    if len(speeds) < len(modes):
-        print(f"the warm-up took over half of the {seconds:g} s budget before measuring "
-              f"{', '.join(mode for mode in modes if mode not in speeds)}: not training. Give it more "
-              "time (--time-budget SECONDS; 0: none), fewer or smaller modes (--modes, --width, "
-              "--batch-size), or --epochs N to run regardless.")
-        return speeds
-    full_samples = config.epoch_samples(modes, len(data.train))
-    full = budgets.estimate_seconds(speeds, config.epochs, full_samples, len(data.test))
-    left = PLAN_SHARE * (deadline - time.perf_counter())
+    warm_up_deadline = started + WARM_UP_SHARE * (deadline - started)
+    steps: list[int] = []
+    for index, size in enumerate(sizes):
+        config.model, config.width, config.batch_size = size.model, size.width, size.batch_size
+        begun = time.perf_counter()
+        speeds = budgets.measure(modes, data, config, device, dtype, cheap=CHEAP_SHARE * seconds,
+                                 deadline=warm_up_deadline)
+        rates = ", ".join(f"{mode} {1 / speed.train:,.0f}" for mode, speed in speeds.items())
+        label = f" of {size}" if len(sizes) > 1 else ""
+        print(f"warm-up{label} ({time.perf_counter() - begun:.1f} s), training samples/s: {rates}")
+        if len(speeds) < len(modes):
+            print(f"the warm-up took over half of the {seconds:g} s budget before measuring "
+                  f"{', '.join(mode for mode in modes if mode not in speeds)}: not training. Give it "
+                  "more time (--time-budget SECONDS; 0: none), fewer or smaller modes (--modes, "
+                  "--width, --batch-size), or --epochs N to run regardless.")
+            return speeds
+        full_samples = config.epoch_samples(modes, len(data.train))
+        full = budgets.estimate_seconds(speeds, config.epochs, full_samples, len(data.test))
+        left = PLAN_SHARE * (deadline - time.perf_counter())
+        plan = budgets.plan_run(speeds, left, config.epochs, full_samples, len(data.test),
+                                config.epoch_unit(modes), epochs_fixed)
+        fits = plan.seconds <= left
+        steps.append(plan.steps(config.epoch_unit(modes)) if fits else 0)
+        if (fits and (steps[-1] >= budgets.MIN_STEPS or full <= left)) or index == len(sizes) - 1:
+            break
+    if len(sizes) > 1:
+        _print_size(sizes, index, steps, config)
     if preset is not None and device.type == "cpu":
         print(f"warning: the seed preset is a GPU experiment; here its {config.epochs} epochs of "
               f"{full_samples:,} samples would take ~{full / 3600:,.1f} h. The time budget cuts "
               f"it short; --epochs {config.epochs} runs it in full.")
-    plan = budgets.plan_run(speeds, left, config.epochs, full_samples, len(data.test),
-                            config.epoch_unit(modes), epochs_fixed)
     if plan.seconds > left and not epochs_fixed:
         print(f"even the smallest run ({_count(plan.epochs, 'epoch')} of {plan.train_samples:,} samples, "
               f"tested on {plan.test_samples:,}) takes ~{plan.seconds:,.0f} s here, more than the "
@@ -272,10 +325,9 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     modes = args.modes
     data = _data(args, preset, on_cuda)
     hardware = hardwares.detect(device)
-    parameters = sum(p.numel() for p in build_model(config.model, width=config.width).parameters())
     if preset is not None:
         print(f"preset {args.preset}: {preset.description}")
-    print(f"fusedamp demo: {config.model} (width {config.width}, {parameters / 1e6:.2f} M params), "
+    print(f"fusedamp demo: {config.model} (width {config.width}, {_parameters(config):.2f} M params), "
           f"{len(data.train)} train / {len(data.test)} test samples")
     if data.synthetic:
         print(f"data: {data.source} -- no --data-dir given, so this is NOT FashionMNIST: 10 "
@@ -298,7 +350,7 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
                   "ResNet-50 on a CPU take hours")
     else:
         fitted = _fit_to_budget(modes, data, config, device, dtype, seconds, started + seconds,
-                                args.epochs is not None, preset)
+                                args.epochs is not None, preset, _sizes(args, preset, config, device))
         if not isinstance(fitted, budgets.Plan):
             baseline = fitted.get("fp32")
             amp = next((mode for mode in modes if mode != "fp32"), None)
@@ -322,6 +374,15 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
     if spreads and max(spreads) > SPREAD_WARNING:
         print(f"the speedups spread over more than {SPREAD_WARNING}x: other work on this machine "
               "disturbed the timings; trust the medians, or better a run on a quiet machine")
+    print()
+    print(f"memory per mode, counted from its tensors (activations: those saved for backward in one "
+          f"micro-batch of {results[0].batch_size}"
+          + ("; CUDA peak: the allocator's, as if the mode ran alone" if on_cuda else "")
+          + "; a CPU process's resident set, torch's and the data set's, is left out):")
+    print(memory_table(results))
+    print("\nwhat this run shows:")
+    for line in findings(results, hardware.native[dtype_name], dtype_name):
+        print(f"  - {line}")
     _print_hardware_advice(hardware, dtype_name, *_speedup(results))
     for r in results:
         if r.advice:

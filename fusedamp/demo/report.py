@@ -7,9 +7,12 @@ from collections.abc import Callable
 
 import torch
 
+from fusedamp.demo.memory import MemoryBreakdown
 from fusedamp.demo.train import ModeResult
 
-__all__ = ["SEED", "results_table", "speedup_text", "seed_comparison", "plot_results"]
+__all__ = [
+    "SEED", "results_table", "memory_table", "findings", "speedup_text", "seed_comparison", "plot_results",
+]
 
 # The seed experiment as published: ResNet-50 on FashionMNIST, 10 epochs on a GPU, AMP at
 # twice fp32's batch size. Training times in seconds for all 10 epochs.
@@ -17,7 +20,24 @@ SEED = {"fp32_seconds": 333.0, "amp_seconds": 141.0, "speedup": 2.36, "underflow
 
 
 def _format_bytes(count: int) -> str:
-    return f"{count / 2**20:,.0f} MiB"
+    """Bytes in MiB with two significant decimals for small amounts.
+
+    >>> _format_bytes(3 * 2**20), _format_bytes(2**19), _format_bytes(0)
+    ('3.00 MiB', '0.50 MiB', '0')
+    """
+    if not count:
+        return "0"
+    mib = count / 2**20
+    return f"{mib:,.0f} MiB" if mib >= 100 else f"{mib:,.2f} MiB"
+
+
+def _columns(rows: list[list[str]]) -> str:
+    # The first column left-aligned, the others right-aligned, a rule under the header.
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
+                       for c, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def speedup_text(result: ModeResult, baseline: ModeResult | None) -> str:
@@ -44,24 +64,81 @@ def results_table(results: list[ModeResult]) -> str:
     """The final comparison table as text (speedups against the fp32 row, when present: the
     median over the epochs, and in brackets the lowest and highest)."""
     baseline = next((r for r in results if r.mode == "fp32"), None)
-    header = ["mode", "batch", "time/epoch", "samples/s", "speedup [min-max]", "peak mem", "accuracy",
-              "precision", "recall", "F1", "<2^-24", "skipped", "final scale"]
+    header = ["mode", "batch", "steps", "time/epoch", "samples/s", "speedup [min-max]", "opt. step",
+              "accuracy", "precision", "recall", "F1", "<2^-24", "skipped", "final scale"]
     rows = [header]
     for r in results:
         mean_underflow = _mean_underflow(r)
         rows.append([
-            r.mode, str(r.batch_size), f"{r.time_per_epoch:.1f} s", f"{r.samples_per_s:,.0f}",
-            speedup_text(r, baseline), _format_bytes(r.peak_memory_bytes),
+            r.mode, str(r.batch_size), str(len(r.losses)), f"{r.time_per_epoch:.1f} s",
+            f"{r.samples_per_s:,.0f}", speedup_text(r, baseline),
+            f"{1000 * r.step_seconds:.2f} ms ({r.step_share:.1%})" if r.step_times else "-",
             f"{r.accuracy:.2%}", f"{r.precision:.4f}", f"{r.recall:.4f}", f"{r.f1:.4f}",
             "-" if mean_underflow is None else f"{mean_underflow:.2%}",
             "-" if r.skipped_steps is None else str(r.skipped_steps),
             "-" if r.final_scale is None else f"{r.final_scale:g}",
         ])
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
-                       for c, (cell, w) in enumerate(zip(row, widths, strict=True))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    return _columns(rows)
+
+
+def memory_table(results: list[ModeResult]) -> str:
+    """Each mode's bytes by role (see :mod:`fusedamp.demo.memory`), then the optimizer state by
+    key and dtype; a CUDA peak column when the modes ran on CUDA."""
+    cuda = any(r.memory.cuda_peak is not None for r in results)
+    header = ["mode", "weights", "grads", "masters", "moments", "other state", "activations", "total"]
+    rows = [header + (["CUDA peak"] if cuda else [])]
+    for r in results:
+        m = r.memory
+        row = [r.mode, *(_format_bytes(n) for n in (m.weights, m.grads, m.masters, m.moments, m.other,
+                                                       m.activations, m.total))]
+        rows.append(row + ([_format_bytes(m.cuda_peak or 0)] if cuda else []))
+    lines = [_columns(rows)]
+    for r in results:
+        state = ", ".join(f"{key} {_format_bytes(n)}" for key, n in r.memory.state.items()) or "none"
+        lines.append(f"  {r.mode} optimizer state: {state}")
     return "\n".join(lines)
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.2f}x" if whole else "-"
+
+
+def findings(results: list[ModeResult], native: bool, dtype: str) -> list[str]:
+    """What the run shows on this machine, whatever its speed: the modes' quality side by
+    side, their memory against fp32's, and the optimizer step's time against torch's (``native``:
+    whether the hardware computes ``dtype`` natively)."""
+    lines = []
+    accuracies = [r.accuracy for r in results]
+    lines.append("quality: test accuracy " + ", ".join(f"{r.mode} {r.accuracy:.2%}" for r in results)
+                 + (f" (a spread of {100 * (max(accuracies) - min(accuracies)):.1f} points), macro F1 "
+                    f"{min(r.f1 for r in results):.4f}-{max(r.f1 for r in results):.4f}"
+                    if len(results) > 1 else ""))
+    baseline = next((r for r in results if r.mode == "fp32"), None)
+    amp = [r for r in results if r.mode != "fp32"]
+    if baseline is not None and amp:
+        def against_fp32(part: Callable[[MemoryBreakdown], int]) -> str:
+            return ", ".join(f"{r.mode} {_ratio(part(r.memory), part(baseline.memory))}" for r in amp)
+
+        lines.append("memory against fp32's: activations saved for backward "
+                     + against_fp32(lambda m: m.activations) + "; weights + grads "
+                     + against_fp32(lambda m: m.weights + m.grads) + "; optimizer state "
+                     + against_fp32(lambda m: m.optimizer))
+    torch_amp = next((r for r in results if r.mode == "torch-amp" and r.step_times), None)
+    ours = [r for r in results if r.mode.startswith("fusedamp") and r.step_times]
+    if torch_amp is not None and ours:
+        lines.append("optimizer step (unscale, AdamW, scaler update): torch-amp "
+                     f"{1000 * torch_amp.step_seconds:.2f} ms, "
+                     + ", ".join(f"{r.mode} {1000 * r.step_seconds:.2f} ms "
+                                 f"({torch_amp.step_seconds / r.step_seconds:.2f}x as fast)" for r in ours)
+                     + "; forward and backward take the rest: "
+                     + ", ".join(f"{r.mode} {1 - r.step_share:.1%}" for r in [torch_amp, *ours])
+                     + " of the training time")
+    if not native and amp:
+        lines.append(f"speed: no AMP speedup to show here, as this hardware has no native {dtype} "
+                     "arithmetic (below); forward and backward are torch's own ops in every AMP mode "
+                     "(fusedamp.autocast is torch.autocast), so what fusedamp changes here is the step "
+                     "and the memory above")
+    return lines
 
 
 def seed_comparison(results: list[ModeResult], full_epochs: int, full_samples: int) -> list[str]:
@@ -96,6 +173,12 @@ def seed_comparison(results: list[ModeResult], full_epochs: int, full_samples: i
         "  precision / recall / F1:    the same in fp32 and AMP | "
         + each(results, lambda r: f"{r.precision:.4f} / {r.recall:.4f} / {r.f1:.4f}"),
         f"  fp16 grads < 2^-24 unscaled: about {SEED['underflow']:.0%} | {each(results, underflow)}",
+        "  activations saved for backward: halved by AMP | "
+        + (each(amp, lambda r: f"{_ratio(r.memory.activations, baseline.memory.activations)} fp32's")
+           if baseline else "-"),
+        "  optimizer state:            the same in fp32 and AMP | "
+        + (each(amp, lambda r: f"{_ratio(r.memory.optimizer, baseline.memory.optimizer)} fp32's")
+           if baseline else "-"),
     ]
 
 

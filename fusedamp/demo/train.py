@@ -9,10 +9,8 @@ block, timed seconds apart, and the table shows their median and range.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import itertools
-import resource
 import statistics
 import sys
 import time
@@ -26,6 +24,7 @@ from torch.nn import functional as F
 
 from fusedamp import diagnostics
 from fusedamp.demo.data import CLASSES, FashionMNIST, Split, batches
+from fusedamp.demo.memory import MemoryBreakdown, optimizer_state_bytes, saved_activation_bytes, tensor_bytes
 from fusedamp.demo.models import build_model
 from fusedamp.precision import half_model
 
@@ -50,7 +49,9 @@ BLOCKS_PER_EPOCH = 8  # at most; an epoch of fewer optimizer steps (of every mod
 class ModeResult:
     """What one training mode measured; ``losses`` has one entry per optimizer step,
     ``scales`` the loss scale after each step (empty without a scaler) and ``underflow`` the
-    ``(step, fraction of |g| < 2^-24)`` pairs of the diagnostics.
+    ``(step, fraction of |g| < 2^-24)`` pairs of the diagnostics, ``step_times`` the seconds
+    of each optimizer step (unscale, step, scaler update, zeroing the grads) and ``memory``
+    the bytes of the mode's tensors (:mod:`fusedamp.demo.memory`).
 
     >>> ModeResult("fusedamp", epoch_times=[1.0]).speedup_vs(ModeResult("fp32", epoch_times=[2.0]))
     2.0
@@ -62,7 +63,8 @@ class ModeResult:
     epoch_times: list[float] = field(default_factory=list)
     block_samples: list[int] = field(default_factory=list)
     block_times: list[float] = field(default_factory=list)
-    peak_memory_bytes: int = 0
+    step_times: list[float] = field(default_factory=list)
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     accuracy: float = 0.0
     precision: float = 0.0
     recall: float = 0.0
@@ -87,6 +89,17 @@ class ModeResult:
         """Training throughput: the median over the blocks."""
         rates = [n / t for n, t in zip(self.block_samples, self.block_times, strict=True)]
         return statistics.median(rates) if rates else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        """The median optimizer step's seconds (0.0 without steps)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
+
+    @property
+    def step_share(self) -> float:
+        """The optimizer steps' share of the training time: the rest is forward and backward."""
+        trained = sum(self.block_times)
+        return sum(self.step_times) / trained if trained else 0.0
 
     def speedups_vs(self, baseline: ModeResult) -> list[float]:
         """How many times faster than ``baseline`` in each block (or epoch, without blocks) both
@@ -125,60 +138,28 @@ def classification_metrics(predictions: Tensor, targets: Tensor, num_classes: in
     }
 
 
-def _proc_status_bytes(field_name: str) -> int | None:
-    with contextlib.suppress(OSError), open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-class MemoryMeter:
-    """Peak memory of each mode as if it had run alone, although the modes take turns in one
-    process and all their models stay in memory.
-
-    A mode's peak is the memory in use before any mode was built (:attr:`baseline`), plus its
-    own state (weights, buffers, optimizer state), plus the most that one of its turns added
-    on top of what was in use when the turn began (gradients, activations, workspaces).
-    Memory is CUDA's allocated bytes, or on CPU the resident set size: on Linux the RSS
-    high-water mark is reset before every turn (``/proc/self/clear_refs``), after freed heap
-    has been handed back to the OS; elsewhere the process's peak so far stands in for it (an
-    overestimate).
+class CudaPeakMeter:
+    """The CUDA allocator's peak for each mode as if it had run alone, although the modes take
+    turns in one process and all their models stay in memory: the bytes allocated before any
+    mode was built (:attr:`baseline`), plus the mode's own tensors between turns (weights,
+    buffers, optimizer state), plus the most that one of its turns added on top of what was
+    allocated when the turn began (gradients, activations, workspaces).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        gc.collect()  # ~0.1 s with torch loaded: once here, not before every turn
+        gc.collect()
         self.baseline = self.begin()
 
     def begin(self) -> int:
-        """Resets the peak; returns the memory in use now."""
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return torch.cuda.memory_allocated(self.device)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return _proc_status_bytes("VmRSS") or 0
+        """Resets the peak; returns the bytes allocated now."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
 
     def added_since(self, in_use: int) -> int:
         """How far the peak since :meth:`begin` rose above ``in_use``."""
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = _proc_status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return max(0, peak - in_use)
-
-
-def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    tensors = [*model.parameters(), *model.buffers()]
-    for state in optimizer.state.values():
-        tensors += [value for value in state.values() if isinstance(value, Tensor)]
-    # Keyed by storage: views and tied tensors count once.
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+        return max(0, torch.cuda.max_memory_allocated(self.device) - in_use)
 
 
 class Progress:
@@ -279,7 +260,7 @@ class RunConfig:
     amp_batch_size: int | None = None
     samples_per_epoch: int | None = None
     accumulate: int = 1
-    lr: float = 2e-3
+    lr: float = 4e-3
     weight_decay: float = 0.05
     diag_every: int = 10
     seed: int = 0
@@ -330,7 +311,9 @@ class ModeRun:
         self.metrics: dict[str, float] = {}
         self.samples_per_epoch = 0
         self.steps = 0
-        self.most_added_bytes = 0  # the largest memory one turn added (see MemoryMeter)
+        self.most_added_bytes = 0  # the largest memory one turn added (see CudaPeakMeter)
+        self.memory: MemoryBreakdown | None = None  # counted on the first micro-batch
+        self._step_timers: list[tuple[Any, Any]] = []
         self._micro_batches = 0  # since the last optimizer step
         self._running = torch.zeros((), device=device)
         self._losses: list[Tensor] = []
@@ -350,10 +333,20 @@ class ModeRun:
         """Forward and backward of one micro-batch; an optimizer step after every
         ``accumulate`` of them."""
         recipe, scaler, config = self.recipe, self.recipe.scaler, self.config
-        with recipe.forward_context():
-            logits = recipe.model(images)
+
+        def forward() -> Tensor:
+            with recipe.forward_context():
+                return recipe.model(images)
+
+        if self.memory is None:
+            logits, activations = saved_activation_bytes(recipe.model, forward)
+            self.memory = MemoryBreakdown(activations=activations)
+        else:
+            logits = forward()
         loss = F.cross_entropy(logits.float(), labels) / config.accumulate
         (scaler.scale(loss) if scaler else loss).backward()
+        if not self.memory.grads:
+            self.memory.grads = tensor_bytes(p.grad for p in recipe.model.parameters() if p.grad is not None)
         self._running += loss.detach()
         self._micro_batches += 1
         if self._micro_batches < config.accumulate:
@@ -364,6 +357,7 @@ class ModeRun:
             inv_scale = None if scale is None else scale.double().reciprocal().float()
             self._last_stats = diagnostics.grad_stats(recipe.model, inv_scale=inv_scale)
             self._underflow.append((self.steps, self._last_stats.underflow_fraction()))
+        timer = self._timer()
         if scaler:
             scaler.step(recipe.optimizer)
             skipped = _skipped_flag(scaler)
@@ -372,9 +366,24 @@ class ModeRun:
         else:
             recipe.optimizer.step()
         recipe.optimizer.zero_grad(set_to_none=True)
+        self._step_timers.append((timer, self._timer()))
         self._losses.append(self._running.clone())
         self._running.zero_()
         self.steps += 1
+
+    def _timer(self) -> Any:
+        # A CUDA event times the device's work without a sync in the loop; on a CPU the clock does.
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _step_seconds(self) -> list[float]:
+        if self.device.type != "cuda":
+            return [end - start for start, end in self._step_timers]
+        self.synchronize()
+        return [start.elapsed_time(end) / 1000 for start, end in self._step_timers]
 
     def synchronize(self) -> None:
         """Waits for the device, so that a timer read next covers all the work queued."""
@@ -427,13 +436,26 @@ class ModeRun:
                               self._losses[-1].item(), self._scale(),
                               f"{self._epoch_seconds:6.1f} s  test acc {self.metrics['accuracy']:.2%}")
 
-    def result(self, peak_memory_bytes: int) -> ModeResult:
-        """What this mode measured, as a :class:`ModeResult`."""
+    def memory_breakdown(self, cuda_peak: int | None = None) -> MemoryBreakdown:
+        """The bytes of this mode's tensors: weights and buffers and optimizer state as they are
+        now, grads and saved activations as the first micro-batch counted them."""
+        model, optimizer = self.recipe.model, self.recipe.optimizer
+        memory = self.memory or MemoryBreakdown()
+        kinds, by_key = optimizer_state_bytes(optimizer)
+        return MemoryBreakdown(
+            weights=tensor_bytes([*model.parameters(), *model.buffers()]), grads=memory.grads,
+            masters=kinds["masters"], moments=kinds["moments"], other=kinds["other"],
+            activations=memory.activations, state=by_key, cuda_peak=cuda_peak,
+        )
+
+    def result(self, cuda_peak: int | None = None) -> ModeResult:
+        """What this mode measured, as a :class:`ModeResult` (``cuda_peak``: see
+        :class:`CudaPeakMeter`)."""
         result = ModeResult(
             self.mode, batch_size=self.batch_size, samples_per_epoch=self.samples_per_epoch,
             epoch_times=self.epoch_times, block_samples=self.block_samples, block_times=self.block_times,
-            epoch_accuracy=self.epoch_accuracy,
-            peak_memory_bytes=peak_memory_bytes, **self.metrics,
+            step_times=self._step_seconds(), epoch_accuracy=self.epoch_accuracy,
+            memory=self.memory_breakdown(cuda_peak), **self.metrics,
             losses=torch.stack(self._losses).tolist() if self._losses else [],
         )
         if self.recipe.scaler:
@@ -449,8 +471,9 @@ class ModeRun:
         return result
 
     def state_bytes(self) -> int:
-        """Bytes of this mode's weights, buffers and optimizer state."""
-        return _state_bytes(self.recipe.model, self.recipe.optimizer)
+        """Bytes of this mode's weights, buffers and optimizer state: what it holds between turns."""
+        memory = self.memory_breakdown()
+        return memory.weights + memory.optimizer
 
 
 def _blocks(samples: int, unit: int) -> list[int]:
@@ -484,7 +507,7 @@ def run_modes(modes: list[str], data: FashionMNIST, config: RunConfig, device: t
     """
     samples = config.epoch_samples(modes, len(data.train))
     blocks = _blocks(samples, config.epoch_unit(modes))
-    meter = MemoryMeter(device)
+    meter = CudaPeakMeter(device) if device.type == "cuda" else None
     runs = [ModeRun(mode, config, device, dtype) for mode in modes]
     out = stream or sys.stdout
     last_round = last_tests = 0.0
@@ -505,9 +528,10 @@ def run_modes(modes: list[str], data: FashionMNIST, config: RunConfig, device: t
                 break
             round_start = time.perf_counter()
             for run in runs:
-                in_use = meter.begin()
+                in_use = meter.begin() if meter else 0
                 run.train_block(block)
-                run.most_added_bytes = max(run.most_added_bytes, meter.added_since(in_use))
+                if meter:
+                    run.most_added_bytes = max(run.most_added_bytes, meter.added_since(in_use))
             last_round = time.perf_counter() - round_start
             done += 1
         tests_start = time.perf_counter()
@@ -518,4 +542,6 @@ def run_modes(modes: list[str], data: FashionMNIST, config: RunConfig, device: t
             out.write(f"time budget: stopping in epoch {epoch + 1} of {config.epochs} after {done} of "
                       f"{len(blocks)} blocks (the machine is slower than the warm-up measured)\n")
             break
+    if meter is None:
+        return [run.result() for run in runs]
     return [run.result(meter.baseline + run.state_bytes() + run.most_added_bytes) for run in runs]
