@@ -220,7 +220,8 @@ def test_optimizer_state_is_split_by_key_and_dtype_for_any_optimizer():
     shared = torch.zeros(4, dtype=torch.int64)
     optimizer.state[param] = {
         "exp_avg": torch.zeros(300, dtype=torch.int8), "exp_avg_scale": torch.zeros(2),
-        "exp_avg_sq": torch.zeros(300, dtype=torch.bfloat16), "master_remainder": torch.zeros(300, dtype=torch.int16),
+        "exp_avg_sq": torch.zeros(300, dtype=torch.bfloat16),
+        "master_remainder": torch.zeros(300, dtype=torch.int16),
         "seed": shared, "seed_view": shared[:2], "step": 7,
     }
     kinds, by_key = memory.optimizer_state_bytes(optimizer)
@@ -238,7 +239,8 @@ def test_memory_table_per_mode_from_the_tensors():
     results = train.run_modes(modes, data, config, torch.device("cpu"), torch.bfloat16, io.StringIO())
     model = build_model("resnet18", width=4)
     values = sum(p.numel() for p in model.parameters())
-    norms = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters())
+    norms = sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+                for p in m.parameters())
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     steps = 4 * len(list(model.parameters()))
     by_mode = {r.mode: r.memory for r in results}
@@ -320,8 +322,8 @@ def test_results_table_speedups_against_fp32():
         step_times=[0.002, 0.001, 0.003],
     )
     table = report.results_table([fp32, amp]).splitlines()
-    assert table[0].split()[:9] == ["mode", "batch", "steps", "time/epoch", "samples/s", "speedup", "[min-max]",
-                                    "opt.", "step"]
+    assert table[0].split()[:9] == ["mode", "batch", "steps", "time/epoch", "samples/s", "speedup",
+                                    "[min-max]", "opt.", "step"]
     # The optimizer step: its median time and its share of the training time (6 ms of 2 s).
     assert " 3 " in table[3] and "2.00 ms (0.3%)" in table[3] and table[2].split()[8] == "-"
     # Per block 1/0.5, 2/0.5, 1/1: median 2, range 1 to 4; samples/s the median block's 64/0.5.
@@ -538,6 +540,54 @@ def test_demo_fits_a_slow_amp_into_the_budget(monkeypatch, tmp_path, capsys):
     # Three epochs unless a busy machine made the deadline stop the run early, for every mode alike.
     assert all(r.samples_per_epoch == plan["train_samples"] for r in results)
     assert len({len(r.epoch_times) for r in results}) == 1 and 1 <= len(results[0].epoch_times) <= 3
+
+
+@pytest.mark.parametrize("fp32_seconds, chosen, measured", [
+    (1e-5, 0, [4, 3, 2, 1, 0]),  # fast: the default, reached from the smallest up
+    # AMP 12x slower: resnet18 width 8 gets its steps at batch 64; at 128 it is not even measured
+    (2e-4, 2, [4, 3, 2]),
+    (8e-4, 4, [4]),  # slower still: the smallest, and nothing larger is measured
+    (1e-1, 4, [4]),  # too slow even for that: the smallest, with a warning
+])
+def test_budget_chooses_the_largest_size_that_gets_the_steps(monkeypatch, capsys, fp32_seconds, chosen,
+                                                              measured):
+    sizes = list(budget.SIZES["cpu"])
+    tried = []
+
+    def measure(modes, data, config, device, dtype, cheap, deadline):
+        size = next(s for s in sizes if (s.model, s.width, s.batch_size) ==
+                    (config.model, config.width, config.batch_size))
+        tried.append(sizes.index(size))
+        return {mode: budget.Speed(size.cost * fp32_seconds * (1 if mode == "fp32" else 12), 1e-6)
+                for mode in modes}
+
+    monkeypatch.setattr(budget, "measure", measure)
+    config = train.RunConfig()
+    data = synthetic_fashion_mnist(12000, 10)
+    modes = list(train.MODES)
+    speeds = cli._choose_size(modes, data, config, torch.device("cpu"), torch.bfloat16, 100.0,
+                              time.perf_counter() + 100.0, time.perf_counter() + 50.0, False, sizes)
+    out = capsys.readouterr().out
+    assert tried == measured and set(speeds) == set(modes)
+    assert (config.model, config.width, config.batch_size) == (sizes[chosen].model, sizes[chosen].width,
+                                                                sizes[chosen].batch_size)
+    assert f"size: {sizes[chosen]} (" in out
+    plan, _, left = cli._planned(speeds, modes, data, config, time.perf_counter() + 100.0, False)
+    steps = cli._steps(plan, left, modes, config)
+    if fp32_seconds == 1e-1:
+        assert steps < budget.MIN_STEPS and "fewer than the 60 a run needs to learn" in out
+    else:
+        assert steps >= budget.MIN_STEPS
+        assert ("the default" if chosen == 0 else "instead of the default") in out
+
+
+def test_a_size_given_on_the_command_line_is_kept():
+    args = cli._parse_args(["--width", "12"])
+    config = cli._config(args, None, on_cuda=False)
+    assert cli._sizes(args, None, config, torch.device("cpu")) == [budget.Size("resnet18", 12, 128, 1.0)]
+    args = cli._parse_args([])
+    assert cli._sizes(args, None, cli._config(args, None, False), torch.device("cpu")) == list(
+        budget.SIZES["cpu"])
 
 
 def test_explicit_epochs_are_exact_under_a_budget(monkeypatch, capsys):

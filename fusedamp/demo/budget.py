@@ -36,11 +36,14 @@ MIN_TEST = 100
 @dataclass(frozen=True)
 class Size:
     """A model and batch size the demo can train: ``model`` (a key of MODELS), ``width``
-    (channels of the first stage) and ``batch_size`` (every mode's micro-batch)."""
+    (channels of the first stage), ``batch_size`` (every mode's micro-batch) and ``cost``, the
+    multiply-adds of its convolutions per sample relative to the smallest size's (width
+    squared times the blocks: a first guess at its time, before the warm-up measures it)."""
 
     model: str
     width: int
     batch_size: int
+    cost: float
 
     def __str__(self) -> str:
         return f"{self.model} width {self.width}, batch {self.batch_size}"
@@ -48,11 +51,12 @@ class Size:
 
 # The sizes a time budget chooses among, largest first, by device type: the first is the
 # default; each next one costs ~2-4x less per step (a quarter of the channels' products, half
-# the blocks, or half the batch), for CPUs whose half-precision convolutions are slow.
+# the blocks, or half the batch), for machines whose half-precision convolutions are slow.
 SIZES = {
-    "cuda": (Size("resnet18", 64, 128), Size("resnet18", 32, 128), Size("resnet18", 16, 128)),
-    "cpu": (Size("resnet18", 16, 128), Size("resnet18", 8, 64), Size("resnet10", 8, 64),
-            Size("resnet10", 8, 32)),
+    "cuda": (Size("resnet18", 64, 128, 64.0), Size("resnet18", 32, 128, 16.0),
+             Size("resnet18", 16, 128, 4.0), Size("resnet18", 8, 64, 1.0)),
+    "cpu": (Size("resnet18", 16, 128, 8.0), Size("resnet18", 8, 128, 2.0), Size("resnet18", 8, 64, 2.0),
+            Size("resnet10", 8, 64, 1.0), Size("resnet10", 8, 32, 1.0)),
 }
 
 

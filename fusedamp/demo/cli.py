@@ -175,7 +175,7 @@ def _sizes(args: argparse.Namespace, preset: Preset | None, config: RunConfig,
     command line fixed one."""
     fixed = (args.model, args.width, args.batch_size, args.amp_batch_size)
     if preset is not None or any(value is not None for value in fixed):
-        return [budgets.Size(config.model, config.width, config.batch_size)]
+        return [budgets.Size(config.model, config.width, config.batch_size, 1.0)]
     return list(budgets.SIZES["cuda" if device.type == "cuda" else "cpu"])
 
 
@@ -228,36 +228,48 @@ def _print_hardware_advice(hardware: hardwares.Hardware, dtype_name: str, mode: 
         print(f"  - {line}")
 
 
-def _print_size(sizes: list[budgets.Size], chosen: int, steps: list[int], config: RunConfig) -> None:
-    """Says which of ``sizes`` the budget chose and why (``steps``: per mode, for each size tried)."""
-    size = sizes[chosen]
-    head = f"size: {size} ({_parameters(config):.2f} M params)"
-    if chosen == 0:
-        print(f"{head}, the default: every mode gets {_count(steps[0], 'optimizer step')} in the budget")
-    elif steps[chosen] >= budgets.MIN_STEPS:
-        print(f"{head}: the largest of the demo's sizes that gives every mode at least {budgets.MIN_STEPS} "
-              f"optimizer steps in the budget ({steps[chosen]}; {sizes[0]} would have given "
-              f"{steps[0]}): a run needs them to learn, and this machine's slowest mode sets the pace")
-    else:
-        print(f"{head}: the demo's smallest, and still only {_count(steps[chosen], 'optimizer step')} per "
-              f"mode fit, fewer than the {budgets.MIN_STEPS} a run needs to learn: expect a low accuracy, "
-              "or give it more time (--time-budget SECONDS)")
+def _planned(speeds: dict[str, budgets.Speed], modes: list[str], data: FashionMNIST, config: RunConfig,
+             deadline: float, epochs_fixed: bool) -> tuple[budgets.Plan, float, float]:
+    """The plan for ``config`` at ``speeds`` in the time left before ``deadline``, the full
+    run's estimated seconds and the seconds the plan may fill."""
+    full_samples = config.epoch_samples(modes, len(data.train))
+    full = budgets.estimate_seconds(speeds, config.epochs, full_samples, len(data.test))
+    left = PLAN_SHARE * (deadline - time.perf_counter())
+    plan = budgets.plan_run(speeds, left, config.epochs, full_samples, len(data.test),
+                            config.epoch_unit(modes), epochs_fixed)
+    return plan, full, left
 
 
-def _fit_to_budget(modes: list[str], data: FashionMNIST, config: RunConfig, device: torch.device,
-                   dtype: torch.dtype, seconds: float, deadline: float, epochs_fixed: bool,
-                   preset: Preset | None,
-                   sizes: list[budgets.Size]) -> budgets.Plan | dict[str, budgets.Speed]:
-    """Measures the modes and sizes the run (changes ``config`` and ``data.test``): the first of
-    ``sizes`` that gives every mode ``budgets.MIN_STEPS`` optimizer steps (else the last);
-    returns the plan, or the speeds measured when the warm-up ran out of time or not even the
-    smallest run fits (with ``epochs_fixed``, the smallest run with those epochs goes ahead
-    regardless)."""
-    started = time.perf_counter()
-    warm_up_deadline = started + WARM_UP_SHARE * (deadline - started)
-    steps: list[int] = []
-    for index, size in enumerate(sizes):
-        config.model, config.width, config.batch_size = size.model, size.width, size.batch_size
+def _steps(plan: budgets.Plan, left: float, modes: list[str], config: RunConfig) -> int:
+    """Optimizer steps per mode of ``plan`` (0 when it does not fit in ``left`` seconds)."""
+    return plan.steps(config.epoch_unit(modes)) if plan.seconds <= left else 0
+
+
+def _use(size: budgets.Size, config: RunConfig) -> None:
+    config.model, config.width, config.batch_size = size.model, size.width, size.batch_size
+
+
+def _choose_size(modes: list[str], data: FashionMNIST, config: RunConfig, device: torch.device,
+                 dtype: torch.dtype, seconds: float, deadline: float, warm_up_deadline: float,
+                 epochs_fixed: bool, sizes: list[budgets.Size]) -> dict[str, budgets.Speed]:
+    """Sets ``config`` to the largest of ``sizes`` (largest first) whose plan gives every mode
+    ``budgets.MIN_STEPS`` optimizer steps, else the smallest; returns its measured speeds.
+
+    The warm-up measures the smallest first, then each larger one while the last measured
+    speeds, scaled by the sizes' ``cost``, predict that it would still get the steps: on a
+    slow machine, measuring a size much too large would spend the budget by itself."""
+    chosen: tuple[budgets.Size, dict[str, budgets.Speed]] | None = None
+    steps: dict[budgets.Size, int] = {}
+    for size in reversed(sizes):
+        if chosen is not None:
+            ratio = size.cost / chosen[0].cost
+            predicted = {mode: budgets.Speed(s.train * ratio, s.test * ratio)
+                         for mode, s in chosen[1].items()}
+            _use(size, config)
+            plan, _, left = _planned(predicted, modes, data, config, deadline, epochs_fixed)
+            if _steps(plan, left, modes, config) < budgets.MIN_STEPS:
+                break
+        _use(size, config)
         begun = time.perf_counter()
         speeds = budgets.measure(modes, data, config, device, dtype, cheap=CHEAP_SHARE * seconds,
                                  deadline=warm_up_deadline)
@@ -265,22 +277,54 @@ def _fit_to_budget(modes: list[str], data: FashionMNIST, config: RunConfig, devi
         label = f" of {size}" if len(sizes) > 1 else ""
         print(f"warm-up{label} ({time.perf_counter() - begun:.1f} s), training samples/s: {rates}")
         if len(speeds) < len(modes):
-            print(f"the warm-up took over half of the {seconds:g} s budget before measuring "
-                  f"{', '.join(mode for mode in modes if mode not in speeds)}: not training. Give it "
-                  "more time (--time-budget SECONDS; 0: none), fewer or smaller modes (--modes, "
-                  "--width, --batch-size), or --epochs N to run regardless.")
-            return speeds
-        full_samples = config.epoch_samples(modes, len(data.train))
-        full = budgets.estimate_seconds(speeds, config.epochs, full_samples, len(data.test))
-        left = PLAN_SHARE * (deadline - time.perf_counter())
-        plan = budgets.plan_run(speeds, left, config.epochs, full_samples, len(data.test),
-                                config.epoch_unit(modes), epochs_fixed)
-        fits = plan.seconds <= left
-        steps.append(plan.steps(config.epoch_unit(modes)) if fits else 0)
-        if (fits and (steps[-1] >= budgets.MIN_STEPS or full <= left)) or index == len(sizes) - 1:
+            if chosen is None:
+                return speeds
             break
+        plan, _, left = _planned(speeds, modes, data, config, deadline, epochs_fixed)
+        steps[size] = _steps(plan, left, modes, config)
+        if chosen is not None and steps[size] < budgets.MIN_STEPS:
+            break
+        chosen = (size, speeds)
+        if len(sizes) == 1 or steps[size] < budgets.MIN_STEPS:
+            break
+    size, speeds = chosen
+    _use(size, config)
     if len(sizes) > 1:
-        _print_size(sizes, index, steps, config)
+        head = f"size: {size} ({_parameters(config):.2f} M params)"
+        if steps[size] < budgets.MIN_STEPS:
+            print(f"{head}, the demo's smallest: only {_count(steps[size], 'optimizer step')} per mode fit, "
+                  f"fewer than the {budgets.MIN_STEPS} a run needs to learn; expect a low accuracy, or give "
+                  "it more time (--time-budget SECONDS)")
+        elif size == sizes[0]:
+            print(f"{head}, the default: every mode gets {_count(steps[size], 'optimizer step')} in the "
+                  "budget")
+        else:
+            print(f"{head}, instead of the default {sizes[0]}: the largest size the warm-up found to give "
+                  f"every mode at least {budgets.MIN_STEPS} optimizer steps in the budget (a run needs "
+                  "them to learn), as this machine's slowest mode trains "
+                  f"{min(1 / s.train for s in speeds.values()):,.0f} samples/s at this size")
+    return speeds
+
+
+def _fit_to_budget(modes: list[str], data: FashionMNIST, config: RunConfig, device: torch.device,
+                   dtype: torch.dtype, seconds: float, deadline: float, epochs_fixed: bool,
+                   preset: Preset | None,
+                   sizes: list[budgets.Size]) -> budgets.Plan | dict[str, budgets.Speed]:
+    """Measures the modes, chooses among ``sizes`` (see :func:`_choose_size`) and sizes the run
+    (changes ``config`` and ``data.test``); returns the plan, or the speeds measured when the
+    warm-up ran out of time or not even the smallest run fits (with ``epochs_fixed``, the
+    smallest run with those epochs goes ahead regardless)."""
+    started = time.perf_counter()
+    speeds = _choose_size(modes, data, config, device, dtype, seconds, deadline,
+                          started + WARM_UP_SHARE * (deadline - started), epochs_fixed, sizes)
+    if len(speeds) < len(modes):
+        print(f"the warm-up took over half of the {seconds:g} s budget before measuring "
+              f"{', '.join(mode for mode in modes if mode not in speeds)}: not training. Give it "
+              "more time (--time-budget SECONDS; 0: none), fewer or smaller modes (--modes, "
+              "--width, --batch-size), or --epochs N to run regardless.")
+        return speeds
+    plan, full, left = _planned(speeds, modes, data, config, deadline, epochs_fixed)
+    full_samples = config.epoch_samples(modes, len(data.train))
     if preset is not None and device.type == "cpu":
         print(f"warning: the seed preset is a GPU experiment; here its {config.epochs} epochs of "
               f"{full_samples:,} samples would take ~{full / 3600:,.1f} h. The time budget cuts "

@@ -21,9 +21,17 @@ from torch import Tensor, nn
 __all__ = ["MemoryBreakdown", "state_kind", "optimizer_state_bytes", "tensor_bytes", "saved_activation_bytes"]
 
 _MOMENT_PREFIXES = ("exp_avg", "max_exp_avg", "momentum", "moment")
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
-                torch.uint8: "uint8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
-                torch.float64: "fp64"}
+_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float64: "fp64",
+}
 
 
 @dataclass
