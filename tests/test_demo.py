@@ -258,12 +258,12 @@ def test_memory_table_per_mode_from_the_tensors():
     assert by_mode["torch-amp"].activations == by_mode["fusedamp"].activations
     assert all(m.total == m.weights + m.grads + m.optimizer + m.activations for m in by_mode.values())
     table = report.memory_table(results)
-    assert table.splitlines()[0].split() == ["mode", "weights", "grads", "masters", "moments", "other",
-                                             "state", "activations", "total"]
+    assert table.splitlines()[0].split() == ["mode", "batch", "weights", "grads", "masters", "moments",
+                                             "other", "state", "activations", "total"]
     assert "fusedamp-o2 optimizer state: step fp32" in table and "master fp32" in table
     shows = report.findings(results, native=False, dtype="bf16")
-    assert any(line.startswith("memory against fp32's: activations saved for backward torch-amp 0.")
-               for line in shows)
+    memory_line = "memory against fp32's: activations saved for backward (per sample) torch-amp 0."
+    assert any(line.startswith(memory_line) for line in shows)
     assert any("optimizer step" in line and "fusedamp-o2" in line for line in shows)
     assert any("no AMP speedup to show here" in line for line in shows)
 
@@ -713,6 +713,9 @@ def test_seed_preset_prints_the_published_figures_beside_this_run(capsys):
     for figure in ("333 s |", "141 s |", "2.36x |", "the same in fp32 and AMP |", "about 25% |"):
         assert figure in out
     assert "(~" in out and "for 10 epochs of 256)" in out  # extrapolated: 1 epoch ran, not 10
+    assert "activations saved for backward (per sample): halved by AMP | torch-amp 0." in out
+    assert "optimizer state:            the same in fp32 and AMP | torch-amp 1.00x fp32's" in out
+    assert "memory per mode, counted from its tensors" in out  # the table, as in every run
 
 
 def test_seed_comparison_lines():
@@ -726,6 +729,7 @@ def test_seed_comparison_lines():
         recall=0.8,
         f1=0.85,
         underflow=[(0, 0.2), (10, 0.3)],
+        memory=memory.MemoryBreakdown(weights=400, grads=400, moments=800, other=8, activations=1000),
     )
     amp = report.ModeResult(
         "torch-amp",
@@ -733,8 +737,11 @@ def test_seed_comparison_lines():
         epoch_times=[10.0] * 10,
         block_samples=[1000] * 10,
         block_times=[10.0] * 10,
+        memory=memory.MemoryBreakdown(weights=400, grads=400, moments=800, other=8, activations=520),
     )
     lines = report.seed_comparison([fp32, amp], full_epochs=10, full_samples=1000)
+    assert lines[6].endswith("halved by AMP | torch-amp 0.52x fp32's")  # per sample: the same batch
+    assert lines[7].endswith("the same in fp32 and AMP | torch-amp 1.00x fp32's")
     assert lines[1].endswith("333 s | fp32 200.0 s")  # the full run: nothing extrapolated
     assert lines[2].endswith("141 s | torch-amp 100.0 s")
     assert lines[3].endswith("2.36x | torch-amp 2.00x [2.00-2.00]")

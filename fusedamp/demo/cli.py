@@ -419,8 +419,8 @@ def main(argv: list[str] | None = None) -> list[ModeResult]:
         print(f"the speedups spread over more than {SPREAD_WARNING}x: other work on this machine "
               "disturbed the timings; trust the medians, or better a run on a quiet machine")
     print()
-    print(f"memory per mode, counted from its tensors (activations: those saved for backward in one "
-          f"micro-batch of {results[0].batch_size}"
+    print("memory per mode, counted from its tensors (activations: those saved for backward in one "
+          "micro-batch"
           + ("; CUDA peak: the allocator's, as if the mode ran alone" if on_cuda else "")
           + "; a CPU process's resident set, torch's and the data set's, is left out):")
     print(memory_table(results))

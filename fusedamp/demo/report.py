@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from fusedamp.demo.memory import MemoryBreakdown
 from fusedamp.demo.train import ModeResult
 
 __all__ = [
@@ -20,15 +19,17 @@ SEED = {"fp32_seconds": 333.0, "amp_seconds": 141.0, "speedup": 2.36, "underflow
 
 
 def _format_bytes(count: int) -> str:
-    """Bytes in MiB with two significant decimals for small amounts.
+    """Bytes in MiB, or KiB below one MiB.
 
-    >>> _format_bytes(3 * 2**20), _format_bytes(2**19), _format_bytes(0)
-    ('3.00 MiB', '0.50 MiB', '0')
+    >>> _format_bytes(300 * 2**20), _format_bytes(3 * 2**20), _format_bytes(2**9), _format_bytes(0)
+    ('300 MiB', '3.00 MiB', '0.5 KiB', '0')
     """
     if not count:
         return "0"
     mib = count / 2**20
-    return f"{mib:,.0f} MiB" if mib >= 100 else f"{mib:,.2f} MiB"
+    if mib >= 100:
+        return f"{mib:,.0f} MiB"
+    return f"{mib:.2f} MiB" if mib >= 1 else f"{count / 2**10:.1f} KiB"
 
 
 def _columns(rows: list[list[str]]) -> str:
@@ -85,12 +86,13 @@ def memory_table(results: list[ModeResult]) -> str:
     """Each mode's bytes by role (see :mod:`fusedamp.demo.memory`), then the optimizer state by
     key and dtype; a CUDA peak column when the modes ran on CUDA."""
     cuda = any(r.memory.cuda_peak is not None for r in results)
-    header = ["mode", "weights", "grads", "masters", "moments", "other state", "activations", "total"]
+    header = ["mode", "batch", "weights", "grads", "masters", "moments", "other state", "activations",
+              "total"]
     rows = [header + (["CUDA peak"] if cuda else [])]
     for r in results:
         m = r.memory
-        row = [r.mode, *(_format_bytes(n) for n in (m.weights, m.grads, m.masters, m.moments, m.other,
-                                                       m.activations, m.total))]
+        row = [r.mode, str(r.batch_size), *(_format_bytes(n) for n in (
+            m.weights, m.grads, m.masters, m.moments, m.other, m.activations, m.total))]
         rows.append(row + ([_format_bytes(m.cuda_peak or 0)] if cuda else []))
     lines = [_columns(rows)]
     for r in results:
@@ -99,8 +101,13 @@ def memory_table(results: list[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def _ratio(part: int, whole: int) -> str:
+def _ratio(part: float, whole: float) -> str:
     return f"{part / whole:.2f}x" if whole else "-"
+
+
+def _activations_per_sample(r: ModeResult) -> float:
+    # Modes may train at different batch sizes (--amp-batch-size, the seed preset): compare per sample.
+    return r.memory.activations / max(r.batch_size, 1)
 
 
 def findings(results: list[ModeResult], native: bool, dtype: str) -> list[str]:
@@ -116,13 +123,13 @@ def findings(results: list[ModeResult], native: bool, dtype: str) -> list[str]:
     baseline = next((r for r in results if r.mode == "fp32"), None)
     amp = [r for r in results if r.mode != "fp32"]
     if baseline is not None and amp:
-        def against_fp32(part: Callable[[MemoryBreakdown], int]) -> str:
-            return ", ".join(f"{r.mode} {_ratio(part(r.memory), part(baseline.memory))}" for r in amp)
+        def against_fp32(part: Callable[[ModeResult], float]) -> str:
+            return ", ".join(f"{r.mode} {_ratio(part(r), part(baseline))}" for r in amp)
 
-        lines.append("memory against fp32's: activations saved for backward "
-                     + against_fp32(lambda m: m.activations) + "; weights + grads "
-                     + against_fp32(lambda m: m.weights + m.grads) + "; optimizer state "
-                     + against_fp32(lambda m: m.optimizer))
+        lines.append("memory against fp32's: activations saved for backward (per sample) "
+                     + against_fp32(_activations_per_sample) + "; weights + grads "
+                     + against_fp32(lambda r: r.memory.weights + r.memory.grads) + "; optimizer state "
+                     + against_fp32(lambda r: r.memory.optimizer))
     torch_amp = next((r for r in results if r.mode == "torch-amp" and r.step_times), None)
     ours = [r for r in results if r.mode.startswith("fusedamp") and r.step_times]
     if torch_amp is not None and ours:
@@ -173,9 +180,9 @@ def seed_comparison(results: list[ModeResult], full_epochs: int, full_samples: i
         "  precision / recall / F1:    the same in fp32 and AMP | "
         + each(results, lambda r: f"{r.precision:.4f} / {r.recall:.4f} / {r.f1:.4f}"),
         f"  fp16 grads < 2^-24 unscaled: about {SEED['underflow']:.0%} | {each(results, underflow)}",
-        "  activations saved for backward: halved by AMP | "
-        + (each(amp, lambda r: f"{_ratio(r.memory.activations, baseline.memory.activations)} fp32's")
-           if baseline else "-"),
+        "  activations saved for backward (per sample): halved by AMP | "
+        + (each(amp, lambda r: f"{_ratio(_activations_per_sample(r), _activations_per_sample(baseline))} "
+                               "fp32's") if baseline else "-"),
         "  optimizer state:            the same in fp32 and AMP | "
         + (each(amp, lambda r: f"{_ratio(r.memory.optimizer, baseline.memory.optimizer)} fp32's")
            if baseline else "-"),

@@ -92,8 +92,10 @@ class ModeResult:
 
     @property
     def step_seconds(self) -> float:
-        """The median optimizer step's seconds (0.0 without steps)."""
-        return statistics.median(self.step_times) if self.step_times else 0.0
+        """The median optimizer step's seconds, leaving out the first (which makes the state)
+        when there are more (0.0 without steps)."""
+        times = self.step_times[1:] or self.step_times
+        return statistics.median(times) if times else 0.0
 
     @property
     def step_share(self) -> float:
