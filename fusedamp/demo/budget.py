@@ -94,16 +94,14 @@ def _timed(work: Callable[[int], int], size: int) -> float:
 
 
 def _seconds_per_sample(work: Callable[[int], int], full: int, cheap: float) -> float:
-    """Times ``work`` at size ``min(PROBE, full)``, then, while a run looks cheaper than
-    ``cheap`` seconds, again (the first run pays one-time set-up: kernel selection, caches for
-    new shapes) and twice at size ``full``, keeping the fastest run of the largest size (a
-    shared machine's load may hit any run). A run too slow to repeat stands as it is: it errs
-    on the long side, as small batches cost more per sample."""
+    """Times ``work`` twice at size ``min(PROBE, full)``, keeping the faster (the first run pays
+    one-time set-up: kernel selection, caches for new shapes, the optimizer state; on a busy
+    2-core machine it took 5-7x a later one), then, while a run looks cheaper than ``cheap``
+    seconds, twice at size ``full``, keeping the fastest run of the largest size (a shared
+    machine's load may hit any run). A probe too slow to repeat at full size stands: it errs on
+    the long side, as small batches cost more per sample."""
     probe = min(PROBE, full)
-    seconds = _timed(work, probe)
-    if seconds * probe > cheap:
-        return seconds
-    seconds = min(seconds, _timed(work, probe))
+    seconds = min(_timed(work, probe), _timed(work, probe))
     if probe == full or seconds * full > cheap:
         return seconds
     return min(_timed(work, full), _timed(work, full))
