@@ -24,8 +24,9 @@ its range), the optimizer step's time, test accuracy and macro precision/recall/
 fraction of gradients fp16 would flush to zero without loss scaling, skipped steps and the
 final loss scale; then the memory table (:mod:`fusedamp.demo.memory`: weights, grads,
 optimizer state, saved activations per mode), what the run shows whatever the hardware's
-speed, the hardware's part in the result and gradient advice. ``--json`` writes everything, ``--plot`` draws loss curves, loss-scale history and the
-underflow fraction per step (needs matplotlib).
+speed, the hardware's part in the result and gradient advice. ``--json`` writes everything,
+``--plot`` draws loss curves, loss-scale history and the underflow fraction per step (needs
+matplotlib).
 
 Modules: ``cli`` (options, presets, output), ``train`` (recipes, the modes taking turns),
 ``budget`` (warm-up and sizing), ``hardware``, ``memory`` (bytes per mode from the tensors),
