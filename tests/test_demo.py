@@ -264,7 +264,12 @@ def test_memory_table_per_mode_from_the_tensors():
     shows = report.findings(results, native=False, dtype="bf16")
     memory_line = "memory against fp32's: activations saved for backward (per sample) torch-amp 0."
     assert any(line.startswith(memory_line) for line in shows)
-    assert any("optimizer step" in line and "fusedamp-o2" in line for line in shows)
+    assert any("optimizer step" in line and "fusedamp-o2" in line and "too few steps to compare" in line
+               for line in shows)  # 2 steps per mode
+    for r in results:
+        r.step_times = [0.004] + [0.002 if r.mode == "torch-amp" else 0.001] * 11
+    step_line = next(line for line in report.findings(results, native=True, dtype="bf16") if "step" in line)
+    assert "torch-amp 2.00 ms, fusedamp 1.00 ms (2.00x as fast), fusedamp-o2 1.00 ms (2.00x" in step_line
     assert any("no AMP speedup to show here" in line for line in shows)
 
 

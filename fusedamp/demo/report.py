@@ -13,6 +13,8 @@ __all__ = [
     "SEED", "results_table", "memory_table", "findings", "speedup_text", "seed_comparison", "plot_results",
 ]
 
+# Optimizer steps per mode beyond which the step's median time is worth comparing.
+MIN_COMPARED_STEPS = 10
 # The seed experiment as published: ResNet-50 on FashionMNIST, 10 epochs on a GPU, AMP at
 # twice fp32's batch size. Training times in seconds for all 10 epochs.
 SEED = {"fp32_seconds": 333.0, "amp_seconds": 141.0, "speedup": 2.36, "underflow": 0.25, "epochs": 10}
@@ -133,10 +135,16 @@ def findings(results: list[ModeResult], native: bool, dtype: str) -> list[str]:
     torch_amp = next((r for r in results if r.mode == "torch-amp" and r.step_times), None)
     ours = [r for r in results if r.mode.startswith("fusedamp") and r.step_times]
     if torch_amp is not None and ours:
+        compared = min(len(r.step_times) for r in [torch_amp, *ours]) > MIN_COMPARED_STEPS
+
+        def against_torch(r: ModeResult) -> str:
+            speed = f" ({torch_amp.step_seconds / r.step_seconds:.2f}x as fast)" if compared else ""
+            return f"{r.mode} {1000 * r.step_seconds:.2f} ms{speed}"
+
         lines.append("optimizer step (unscale, AdamW, scaler update): torch-amp "
-                     f"{1000 * torch_amp.step_seconds:.2f} ms, "
-                     + ", ".join(f"{r.mode} {1000 * r.step_seconds:.2f} ms "
-                                 f"({torch_amp.step_seconds / r.step_seconds:.2f}x as fast)" for r in ours)
+                     f"{1000 * torch_amp.step_seconds:.2f} ms, " + ", ".join(map(against_torch, ours))
+                     + ("" if compared else f" (too few steps to compare: more than {MIN_COMPARED_STEPS} "
+                                            "per mode make a median)")
                      + "; forward and backward take the rest: "
                      + ", ".join(f"{r.mode} {1 - r.step_share:.1%}" for r in [torch_amp, *ours])
                      + " of the training time")
