@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 from helpers import MixedPrecisionNet, amp_train
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fusedamp
@@ -149,6 +150,66 @@ def resume_sharded(model: MixedPrecisionNet, opt: torch.optim.Optimizer, rows: s
     )
 
 
+def full_norm(params: list[nn.Parameter]) -> float:
+    """The global L2 norm of the params' full grads, each element once."""
+    return sum(p.grad.full_tensor().double().square().sum().item() for p in params) ** 0.5
+
+
+def clip_norms_hsdp() -> dict[str, float]:
+    """HSDP: fully_shard on a (2 replicas, 1 shard) mesh, so that each rank holds whole grads
+    as Shard(0) on the size-1 dim and Replicate() on the other: the fused clipping norm (and
+    what clipping did) against the norm of the full grads."""
+    torch.manual_seed(5)
+    model = MixedPrecisionNet(FEATURES)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE, 1), mesh_dim_names=("replicate", "shard"))
+    for layer in model.layers():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = fusedamp.FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=1e-3)
+    inputs, target = batch(0)
+    rows = slice(dist.get_rank() * 8, dist.get_rank() * 8 + 8)
+    nn.functional.mse_loss(model(inputs[rows]), target[rows]).backward()
+    expected = full_norm(list(model.parameters()))
+    opt.step()
+    clipped = full_norm(list(model.parameters()))  # the grads the step wrote back, clipped
+    return {"expected": expected, "measured": opt.last_grad_norm.item(), "clipped": clipped}
+
+
+def clip_norms_replicate() -> dict[str, Any]:
+    """Tensor-parallel-style DTensors on a 1-D mesh of both ranks: a Replicate() param next to
+    a Shard(0) one, both with grads, stepped under fusedamp.GradScaler; then an inf in rank
+    1's Replicate() grad alone, which must skip the step on both ranks."""
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    generator = torch.Generator().manual_seed(9)
+    full = [torch.randn(5, 7, generator=generator), torch.randn(6, 3, generator=generator)]
+    grads = [torch.randn(5, 7, generator=generator), torch.randn(6, 3, generator=generator)]
+    placements = [[Replicate()], [Shard(0)]]
+    params = [nn.Parameter(distribute_tensor(t, mesh, p)) for t, p in zip(full, placements, strict=True)]
+    for param, grad, placement in zip(params, grads, placements, strict=True):
+        param.grad = distribute_tensor(grad, mesh, placement)
+    opt = fusedamp.FusedAdamW(params, lr=1e-2, max_grad_norm=float("inf"))
+    scaler = fusedamp.GradScaler("cpu", init_scale=1.0)
+    expected = full_norm(params)
+    scaler.scale(torch.ones(()))  # makes the scale (grads set by hand: a scale of 1)
+    scaler.step(opt)
+    scaler.update()
+    measured = opt.last_grad_norm.item()
+    before = [p.to_local().clone() for p in params]
+    for param, grad, placement in zip(params, grads, placements, strict=True):
+        param.grad = distribute_tensor(grad, mesh, placement)
+    if dist.get_rank() == 1:
+        params[0].grad.to_local()[2, 3] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, params, strict=True))
+    return {
+        "expected": expected,
+        "measured": measured,
+        "skip_unchanged": unchanged,
+        "scale": scaler.get_scale(),
+    }
+
+
 def ddp_worker(rank: int, port: int, out_dir: str) -> None:
     """One DDP rank: trains with each optimizer on its half of every global batch, saves the
     results."""
@@ -165,6 +226,8 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
                 opt = make_optimizer(model, optimizer)
                 result[optimizer] = train(model, opt, slice(rank * per_rank, (rank + 1) * per_rank))
             result["fsdp2"] = train_fsdp2(rows=slice(rank * per_rank, (rank + 1) * per_rank))
+            result["hsdp"] = clip_norms_hsdp()
+            result["replicate"] = clip_norms_replicate()
             torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
             # Rank 0 hosts the store: it must not leave while rank 1 still talks to it.
             dist.barrier()
@@ -318,3 +381,23 @@ def test_torchrun_example_trains_and_checkpoints(tmp_path: Path) -> None:
     assert state["step"] == 4
     assert state["scaler"]["scale"] == 2.0**16
     assert {float(param_state["step"]) for param_state in state["optimizer"]["state"].values()} == {4.0}
+
+
+def test_hsdp_clipping_norm_counts_each_element_once(ddp_results: list[dict[str, Any]]) -> None:
+    """FSDP2 HSDP (2 replicas of 1 shard): the fused clipping norm is the full grads' norm on
+    every rank, not sqrt(2) times it (a sum over the Replicate dim too), and the clipped grads
+    have max_grad_norm."""
+    for result in ddp_results:
+        norms = result["hsdp"]
+        assert norms["measured"] == pytest.approx(norms["expected"], rel=1e-5)
+        assert norms["clipped"] == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_replicate_dtensor_norm_and_found_inf(ddp_results: list[dict[str, Any]]) -> None:
+    """A Replicate() DTensor param next to a Shard(0) one: the norm counts the replicated grad
+    once, and an inf in one rank's replicated grad still skips the step on both ranks."""
+    for result in ddp_results:
+        norms = result["replicate"]
+        assert norms["measured"] == pytest.approx(norms["expected"], rel=1e-5)
+        assert norms["skip_unchanged"] is True
+        assert norms["scale"] == 0.5

@@ -21,8 +21,9 @@ def check_and_norm(
     """found_inf and, ``with_norm``, the sum of squares of the unscaled grads per device.
 
     found_inf is this rank's (GradScaler combines the ranks'). The sums of DTensor grads
-    are summed over the ranks of their meshes, so that the norm is the global norm; plain
-    grads next to them count once, as replicated params do.
+    are summed over the mesh dims that shard them (not their Replicate ones), so that the norm
+    is the global norm with each element counted once; plain grads next to them count once, as
+    replicated params do.
     """
     grads: dict[torch.device, list[Tensor]] = {}
     sharded: dict[torch.device, list[Tensor]] = {}
@@ -35,12 +36,12 @@ def check_and_norm(
         if with_norm:
             sums[device] = torch.zeros((), dtype=torch.float32, device=device)
         device_inv_scale = on_device(inv_scale, device)
-        if device in sharded:
+        for mesh, dims, members in _dtensor.norm_groups(sharded.get(device, [])):
             sharded_sum = torch.zeros((), dtype=torch.float32, device=device) if with_norm else None
-            local_grads = [_dtensor.local(grad) for grad in sharded[device]]
+            local_grads = [_dtensor.local(grad) for grad in members]
             ops.check_and_norm_(local_grads, found[device], sharded_sum, device_inv_scale)
             if sharded_sum is not None:
-                _dtensor.all_reduce_sum_(sharded_sum, _dtensor.meshes_of(sharded[device]))
+                _dtensor.sum_over_dims_(sharded_sum, mesh, dims)
                 sums[device] += sharded_sum
         if device in grads:
             ops.check_and_norm_(grads[device], found[device], sums.get(device), device_inv_scale)
