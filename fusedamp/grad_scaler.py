@@ -22,10 +22,11 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-class GradScaler:
+class GradScaler(torch.amp.GradScaler):
     """Scales the loss so that fp16/bf16 gradients neither underflow nor overflow, and skips
     the optimizer steps whose gradients hold inf/NaN; same API and errors as
-    ``torch.amp.GradScaler``.
+    ``torch.amp.GradScaler``, and an instance of it (for the clients that check, with the
+    private helpers they call, such as accelerate's ``_lazy_init_scale_growth_tracker``).
 
     Beyond torch:
 
@@ -350,6 +351,14 @@ class GradScaler:
         self._hysteresis_tracker = torch.full(
             (), self._init_hysteresis_tracker, dtype=torch.int32, device=device
         )
+
+    # torch.amp.GradScaler's names for the two above, which clients call (accelerate's FSDP2
+    # load_state initializes a freshly loaded scaler with the first).
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        self._create_device_state(torch.device(dev))
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        return self._check_device_state(funcname)
 
     def _check_device_state(self, funcname: str) -> tuple[Tensor, Tensor]:
         fix = (

@@ -7,6 +7,9 @@ kernels were compiled, on CUDA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -168,9 +171,32 @@ def _split_lr(lr: float | Tensor) -> tuple[float, Tensor | None]:
     return float(lr), None
 
 
-# In-place ops return nothing: their fake kernels only need to exist.
+def _in_place_fake(name: str) -> Callable[..., None]:
+    """The fake kernel of an in-place op: nothing to compute, but the dispatcher also picks it
+    for real tensors when one of them is on the meta device, which would silently do nothing:
+    a call that mixes meta and other tensors is refused (fake tensors carry their real device)."""
+
+    def fake(*args: Any, **kwargs: Any) -> None:
+        tensors = [
+            tensor
+            for arg in (*args, *kwargs.values())
+            for tensor in (arg if isinstance(arg, (list, tuple)) else (arg,))
+            if isinstance(tensor, Tensor)
+        ]
+        devices = {str(tensor.device) for tensor in tensors}
+        if "meta" in devices and len(devices) > 1:
+            others = ", ".join(sorted(devices - {"meta"}))
+            raise RuntimeError(
+                f"fusedamp: {name}: some tensors are on the meta device and others on {others}; "
+                "every tensor of one call must be on one device (move them with .to(device))"
+            )
+
+    return fake
+
+
+# In-place ops return nothing: their fake kernels only check the devices.
 for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"):
-    torch.library.register_fake(f"fusedamp::{_name}")(lambda *args, **kwargs: None)
+    torch.library.register_fake(f"fusedamp::{_name}")(_in_place_fake(_name))
 
 
 @torch.library.register_fake("fusedamp::split_bf16_remainder")

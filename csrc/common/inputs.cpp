@@ -69,12 +69,14 @@ void check_hyperparameter(double value, const char* name, const char* op) {
 
 // Two tensors an op writes (or one it writes and one it reads) must not share memory: the
 // kernels would read values they already changed (a grad that is also its param, the same grad
-// twice in an unscale_ list). Byte ranges of every non-empty tensor, sorted, checked pairwise
-// with their neighbours; density (checked before) makes each tensor one range.
+// twice in an unscale_ list). Byte ranges of every non-empty tensor, sorted by their start; each
+// range is checked against the furthest-reaching range before it: of any tensor when the range is
+// written, of a written tensor when it is only read. Density (checked before) makes each tensor one range.
 struct MemoryRange {
   uintptr_t begin;
   uintptr_t end;
   ArgName name;
+  bool read_only;
 };
 
 void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arguments) {
@@ -85,17 +87,22 @@ void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arg
       if (tensor.numel() == 0) continue;
       const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
       ranges.push_back({begin, begin + tensor.nbytes(),
-                        {op, argument.name, argument.is_list ? int64_t(i) : -1}});
+                        {op, argument.name, argument.is_list ? int64_t(i) : -1}, argument.read_only});
     }
   }
   std::sort(ranges.begin(), ranges.end(),
             [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
-  for (size_t k = 1; k < ranges.size(); ++k) {
-    const MemoryRange& first = ranges[k - 1];
-    const MemoryRange& second = ranges[k];
-    TORCH_CHECK(second.begin >= first.end, "fusedamp: ", first.name, " and ",
-                ArgName{nullptr, second.name.arg, second.name.index}, " share memory; every tensor an op updates must have its own storage (pass "
+  const MemoryRange* furthest = nullptr;          // of all ranges so far
+  const MemoryRange* furthest_written = nullptr;  // of the written ones
+  for (const MemoryRange& range : ranges) {
+    const MemoryRange* clash = range.read_only ? furthest_written : furthest;
+    TORCH_CHECK(clash == nullptr || range.begin >= clash->end, "fusedamp: ", clash->name, " and ",
+                ArgName{nullptr, range.name.arg, range.name.index}, " share memory; every tensor an op updates must have its own storage (pass "
                 "distinct tensors, e.g. .clone())");
+    if (furthest == nullptr || range.end > furthest->end) furthest = &range;
+    if (!range.read_only && (furthest_written == nullptr || range.end > furthest_written->end)) {
+      furthest_written = &range;
+    }
   }
 }
 
@@ -128,7 +135,7 @@ static void check_companion(const at::Tensor& tensor, const ArgName& name, at::S
 
 OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
                                      const std::vector<StateList>& states, at::TensorList masters,
-                                     at::TensorList steps) {
+                                     at::TensorList steps, bool grads_written) {
   const size_t count = params.size();
   auto check_length = [&](at::TensorList list, const char* name) {
     TORCH_CHECK(list.size() == count, "fusedamp: ", op, ": ", name, " has ", list.size(),
@@ -183,8 +190,9 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
     }
     check_scalar_tensor(steps[i], {op, "steps", index}, lists.device);
   }
+  // Grads the step only reads may share memory (two params with one grad tensor, as torch takes).
   std::vector<NamedTensors> updated = {
-      {params, "params"}, {grads, "grads"}, {masters, "masters"}, {steps, "steps"}};
+      {params, "params"}, {grads, "grads", true, !grads_written}, {masters, "masters"}, {steps, "steps"}};
   for (const StateList& state : states) updated.push_back({state.tensors, state.name});
   check_no_shared_memory(op, updated);
   return lists;
@@ -216,9 +224,14 @@ StepInputs check_step_inputs(const char* op, const at::Device& device, double lr
   inputs.inv_grad_scale = device_scalar(inv_grad_scale, "inv_grad_scale");
   inputs.found_inf = device_scalar(found_inf, "found_inf");
   inputs.clip_coef = device_scalar(clip_coef, "clip_coef");
-  // Writing the grad back costs bandwidth; it is only worth it when the step changed the grad.
-  inputs.write_grad = write_unscaled_grads && (inv_grad_scale.has_value() || clip_coef.has_value());
+  inputs.write_grad = step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef);
   return inputs;
+}
+
+bool step_writes_grads(bool write_unscaled_grads, const c10::optional<at::Tensor>& inv_grad_scale,
+                       const c10::optional<at::Tensor>& clip_coef) {
+  // Writing the grad back costs bandwidth; it is only worth it when the step changed the grad.
+  return write_unscaled_grads && (inv_grad_scale.has_value() || clip_coef.has_value());
 }
 
 }  // namespace fusedamp

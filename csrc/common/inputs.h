@@ -35,12 +35,14 @@ void check_dense_on(const at::Tensor& tensor, const ArgName& name, const at::Dev
 
 void check_hyperparameter(double value, const char* name, const char* op);
 
-// Tensors an op writes (or writes one and reads another of) must not share memory. A list
-// argument's tensors are named "name[i]"; a single tensor's (is_list false) just "name".
+// Tensors an op writes (or writes one and reads another of) must not share memory; tensors it
+// only reads (read_only) may share memory with each other, as two params' shared grad does. A
+// list argument's tensors are named "name[i]"; a single tensor's (is_list false) just "name".
 struct NamedTensors {
   at::TensorList tensors;
   const char* name;
   bool is_list = true;
+  bool read_only = false;
 };
 void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arguments);
 
@@ -68,7 +70,11 @@ struct StateList {
 // device, each companion with its param's element count and element order, no shared memory.
 OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::TensorList grads,
                                      const std::vector<StateList>& states, at::TensorList masters,
-                                     at::TensorList steps);
+                                     at::TensorList steps, bool grads_written);
+
+// Whether an optimizer step writes its grads back (unscaled or clipped): StepInputs::write_grad.
+bool step_writes_grads(bool write_unscaled_grads, const c10::optional<at::Tensor>& inv_grad_scale,
+                       const c10::optional<at::Tensor>& clip_coef);
 
 // Checks the step scalars of an optimizer op on `device` (a CPU lr_tensor is read on the host and
 // may drive a step on any device) and returns them as the kernels read them.

@@ -20,7 +20,7 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
       op, params, grads,
       {{exp_avgs, "exp_avgs", true}, {exp_avg_sqs, "exp_avg_sqs", true},
        {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad}},
-      masters, steps);
+      masters, steps, step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef));
   AdamWCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                  {beta1, beta2, eps, weight_decay, amsgrad, maximize},
                  check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,

@@ -36,8 +36,9 @@ void check_and_norm_(at::TensorList grads, const at::Tensor& found_inf,
   std::vector<DType> dtypes = check_grad_list(grads, op, device);
   if (sum_of_squares) check_scalar_tensor(*sum_of_squares, {op, "sum_of_squares"}, device);
   if (inv_scale) check_scalar_tensor(*inv_scale, {op, "inv_scale"}, device);
-  // found_inf and sum_of_squares are written while the grads (and inv_scale) are read.
-  std::vector<NamedTensors> arguments = {{grads, "grads"}, {found_inf, "found_inf", false}};
+  // found_inf and sum_of_squares are written while the grads (and inv_scale) are read: grads
+  // may share memory (two params with one grad tensor), as torch's clip_grad_norm_ takes them.
+  std::vector<NamedTensors> arguments = {{grads, "grads", true, true}, {found_inf, "found_inf", false}};
   if (sum_of_squares) arguments.push_back({*sum_of_squares, "sum_of_squares", false});
   if (inv_scale) arguments.push_back({*inv_scale, "inv_scale", false});
   check_no_shared_memory(op, arguments);

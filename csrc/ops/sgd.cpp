@@ -17,7 +17,8 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
           bool write_unscaled_grads) {
   const char* op = SgdCall::kOp;
   const OptimizerLists lists = check_optimizer_lists(
-      op, params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters, steps);
+      op, params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters, steps,
+      step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef));
   SgdCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                {momentum, dampening, weight_decay, nesterov, maximize},
                check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,

@@ -17,7 +17,7 @@ pass and clipping in _clipping.py.
 
 from __future__ import annotations
 
-import math
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -43,6 +43,7 @@ from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts, on_device
 __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
 _SUPPORTED_DTYPES = (torch.float32, *HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # Tensor types that are never a DTensor: the step takes them as they are.
 _PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
 
@@ -75,10 +76,6 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     >>> opt = fusedamp.FusedSGD(model.parameters(), lr=0.1)  # a FusedOptimizer
     """
 
-    # torch.amp.GradScaler (and fusedamp.GradScaler) hand the scale and found_inf to step()
-    # as the attributes grad_scale and found_inf instead of unscaling the grads first.
-    _step_supports_amp_scaling = True
-
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
@@ -93,6 +90,30 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         self.last_grad_norm: Tensor | None = None
         # Set by _fusedamp_check_grads, used (once) by the step that follows it.
         self._pending_clip_coef: Tensor | None = None
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether a GradScaler may leave the unscaling and the inf skip to step().
+
+        torch.amp.GradScaler (and fusedamp.GradScaler) then hand the scale and found_inf to
+        step() as the attributes grad_scale and found_inf instead of unscaling the grads first;
+        grads a scaler.unscale_() already unscaled (to clip them) step with found_inf alone.
+        Lightning and Fabric read this flag to refuse gradient clipping (and not unscale before
+        it), right for torch's fused optimizers but not here: to their code it reads False, so
+        they unscale, clip and call scaler.step(), whose found_inf still skips in the kernel
+        without a host sync. Assigning a bool makes that the answer for every caller (False:
+        the scaler syncs and calls step() only on clean steps, which accelerate needs to see a
+        skipped step).
+        """
+        forced = self.__dict__.get("_fusedamp_amp_scaling")
+        if forced is not None:
+            return forced
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return not caller.startswith(("lightning.", "lightning_fabric.", "pytorch_lightning."))
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        self.__dict__["_fusedamp_amp_scaling"] = bool(value)
 
     # --- construction and state -------------------------------------------------------------
 
@@ -142,7 +163,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
     def _check_hyperparameters(self) -> None:
         """Raises ValueError if a group holds a float option (lr, eps, betas, momentum, ...)
-        that is NaN or infinite, which the ops refuse.
+        that is NaN, infinite or beyond float32's range, which the ops refuse or overflow on
+        (subclasses add the rules of their own options).
 
         step() checks every group before it updates any, so that a bad value in one group
         (set after construction, by hand or by a scheduler) leaves every param and state as
@@ -150,13 +172,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         """
         for index, group in enumerate(self.param_groups):
             for key, value in group.items():
-                if key == "params":
+                # Only the options the optimizer reads: a group may carry the user's own keys.
+                if key not in self.defaults:
                     continue
                 for item in value if isinstance(value, tuple) else (value,):
-                    if isinstance(item, float) and not math.isfinite(item):
+                    if isinstance(item, float) and not abs(item) <= _FLOAT32_MAX:
                         raise ValueError(
                             f"{type(self).__name__}: {key}={value!r} in param group {index}; it "
-                            "must be finite"
+                            "must be finite and within float32's range (the kernels' math)"
                         )
 
     @abstractmethod
@@ -288,6 +311,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     continue
                 if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if grad.shape != param.shape:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a grad of shape {tuple(grad.shape)} for a param of "
+                        f"shape {tuple(param.shape)}; each grad must have its param's shape"
+                    )
                 yield group, param, grad
 
     def _buckets(self) -> list[Bucket]:

@@ -15,6 +15,8 @@ from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
 
 __all__ = ["FusedAdamW"]
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 class FusedAdamW(FusedOptimizer):
     """AdamW (decoupled weight decay) updated by one fused kernel per device and dtype.
@@ -88,6 +90,24 @@ class FusedAdamW(FusedOptimizer):
             **torch_flags(foreach, fused, capturable, differentiable),
         }
         super().__init__(params, defaults, max_grad_norm)
+
+    def _check_hyperparameters(self) -> None:
+        """The base rule, and the constructor's betas rule for betas changed after it (a beta1
+        of 1 divides by zero, as torch raises); a float lr whose first bias-corrected step size,
+        lr / (1 - beta1), overflows float32 is refused as torch's conversion refuses it."""
+        super()._check_hyperparameters()
+        for index, group in enumerate(self.param_groups):
+            betas, lr = group["betas"], group["lr"]
+            for position, beta in enumerate(betas):
+                if isinstance(beta, float) and not 0.0 <= beta < 1.0:
+                    raise ValueError(
+                        f"Invalid beta parameter at index {position}: {beta} (param group {index})"
+                    )
+            if isinstance(lr, float) and isinstance(betas[0], float) and lr / (1.0 - betas[0]) > _FLOAT32_MAX:
+                raise ValueError(
+                    f"FusedAdamW: lr={lr} in param group {index}: the step size lr / (1 - beta1) "
+                    "overflows float32"
+                )
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         if group["amsgrad"]:
