@@ -41,13 +41,13 @@ template <int64_t kGroup = kStageLanes, typename Step>
   if (first < end) step(first, end - first);
 }
 
-// [note: streaming param stores] With an fp32 master the step writes the half param without
-// reading it, and an ordinary store first reads the line for ownership: 30 bytes a param cross
-// the bus where 28 would do. Non-temporal stores skip that read (AdamW over 16.8M half params:
-// 2-16% faster at 2 threads), but leave the params out of the cache, so the drivers ask for them only
-// when a call moves more than twice the last-level cache (stream_param_stores in launcher.h):
-// then the params it writes would be evicted before the next forward pass anyway. They are
-// weakly ordered: finish_param_stream fences them before the chunk returns.
+// [note: streaming param stores] Non-temporal half param stores (fp32 masters), asked for by the
+// drivers when a call moves more than twice the last-level cache (stream_param_stores, launcher.h),
+// were made for a step that wrote the param without reading it: they skipped the line's read for
+// ownership (AdamW, 16.8M half params: 2-16% faster at 2 threads). The step now reads the param
+// ([note: edited params], math/master.h), which leaves no such read to skip: at 41.9M params, AVX-512,
+// 2 threads, streamed calls took ~4% longer than ordinary stores (~7% less before the read). They
+// are weakly ordered: finish_param_stream fences them before the chunk returns.
 #if FUSEDAMP_F16C_LANES
 // 16 halves (32 bytes) to dst, non-temporal when asked and aligned.
 [[gnu::always_inline]] inline void store_16_halves(uint16_t* dst, __m256i halves, bool stream) {
