@@ -114,3 +114,31 @@ def test_op_call_mixing_meta_and_cpu_tensors_is_refused() -> None:
     ops.unscale_(
         [torch.randn(3, device="meta")], torch.zeros((), device="meta"), torch.ones((), device="meta")
     )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lr": 0.1},
+        {"lr": 0.1, "momentum": 0.9, "dampening": 0.1},
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True, "maximize": True},
+    ],
+    ids=["plain", "momentum-dampening", "nesterov-maximize"],
+)
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "grad-scaler"])
+def test_fused_sgd_takes_sparse_embedding_grads_like_torch(options, scaled) -> None:
+    results = []
+    for cls in (FusedSGD, torch.optim.SGD):
+        torch.manual_seed(0)
+        embedding = nn.Embedding(11, 3, sparse=True)
+        opt = cls(embedding.parameters(), **options)
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0, enabled=scaled)
+        for step in range(3):
+            indices = torch.tensor([[1, 4, 4, 9], [0, 4, 7, 7]])[step % 2]  # duplicates summed
+            scaler.scale(embedding(indices).square().sum()).backward()
+            assert embedding.weight.grad.is_sparse
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        results.append(embedding.weight.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)

@@ -372,7 +372,7 @@ def test_remainder_masters_need_bf16_params(cls) -> None:
         cls(params, master_weights="remainder")
 
 
-@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
+@pytest.mark.parametrize("cls", [FusedAdamW])  # FusedSGD takes them: tests/test_dropin_edges.py
 def test_sparse_grads_raise(cls) -> None:
     param = torch.zeros(3, requires_grad=True)
     param.grad = torch.zeros(3).to_sparse()

@@ -91,6 +91,9 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         # Set by _fusedamp_check_grads, used (once) by the step that follows it.
         self._pending_clip_coef: Tensor | None = None
 
+    # Whether sparse grads are taken (torch.optim.SGD takes them, AdamW refuses them).
+    _takes_sparse_grads = False
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """Whether a GradScaler may leave the unscaling and the inf skip to step().
@@ -108,6 +111,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         forced = self.__dict__.get("_fusedamp_amp_scaling")
         if forced is not None:
             return forced
+        if torch.compiler.is_compiling():  # a compiled scaler.step(); dynamo cannot trace frames
+            return True
         caller = sys._getframe(1).f_globals.get("__name__", "")
         return not caller.startswith(("lightning.", "lightning_fabric.", "pytorch_lightning."))
 
@@ -310,7 +315,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 if grad is None:
                     continue
                 if grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    if not self._takes_sparse_grads:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    # Stepped as the dense grad it stands for (duplicate indices summed), which
+                    # is what torch's SGD adds: slower, the same result; .grad stays as it is.
+                    grad = grad.to_dense()
                 if grad.shape != param.shape:
                     raise RuntimeError(
                         f"{type(self).__name__}: a grad of shape {tuple(grad.shape)} for a param of "

@@ -73,6 +73,8 @@ class FusedSGD(FusedOptimizer):
         }
         super().__init__(params, defaults, max_grad_norm)
 
+    _takes_sparse_grads = True  # nn.Embedding(sparse=True), as torch.optim.SGD
+
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
