@@ -1,13 +1,19 @@
 // The Python module fusedamp._C: importing it registers the ops; it also exposes run-time
 // settings (CPU ISA, GEMM backend) and build facts, and in _C.testing the test hooks (the
-// launch planner, the kernel dispatch, the GEMM kernel choice and the GEMM index math).
-#include <torch/extension.h>
+// launch planner, the kernel dispatch, the GEMM kernel choice and the GEMM index math). Plain
+// pybind11 on std types, not torch/extension.h: that header (all of libtorch's C++ API) made this
+// file the slowest of the build.
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "common/gemm.h"
 #include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
+
+namespace py = pybind11;
 
 namespace {
 
