@@ -269,7 +269,8 @@ def master_value(param: Tensor, master: Tensor | None) -> Tensor:
 
 def _grad_lists(dtype: torch.dtype) -> dict[str, list[Tensor]]:
     """Grads of magnitude up to ~1e3 (finite in fp16): odd sizes (65537 spans three CPU chunks of
-    2^15 and two CUDA blocks of 2^16), an empty tensor among others, no tensor at all, many small
+    2^15 and two CUDA blocks of 2^16), an empty tensor among others, only empty tensors (no
+    chunk, no CUDA block: the sum of squares must stay as it was), no tensor at all, many small
     tensors, three dtypes in one list, and inf, -inf and NaN (one at a chunk boundary)."""
     generator = _generator(int(dtype.itemsize) * 7 + (dtype == torch.bfloat16))
 
@@ -287,6 +288,7 @@ def _grad_lists(dtype: torch.dtype) -> dict[str, list[Tensor]]:
     return {
         "odd_sizes": grads([1, 7, 65537]),
         "empty_tensor": grads([0, 5, 0, 0, 33, 0]),
+        "only_empty_tensors": grads([0, 0, 0]),
         "no_tensors": [],
         f"{MANY}_tensors": grads(_many_sizes(1)),
         "mixed_dtypes": grads([257, 31, 9, 3], [dtype, *others, dtype]),

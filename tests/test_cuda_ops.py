@@ -199,6 +199,23 @@ def test_check_and_norm_finds_non_finite(bad: float, with_sum: bool) -> None:
         assert found_inf.item() == 1.0
 
 
+def test_check_and_norm_of_only_empty_grads_reads_no_uninitialized_memory() -> None:
+    # A private pool whose only free memory held NaN: a buffer the op reads without writing it
+    # (per-block partials when no block runs) turns the sum into NaN instead of, often, zeros.
+    found_inf = torch.zeros((), device=CUDA)
+    sum_of_squares = torch.tensor(0.25, device=CUDA)
+    grads = [torch.empty(0, dtype=dtype, device=CUDA) for dtype in FLOAT_DTYPES]
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        # Two 1 MiB blocks (the largest the small pool serves): its whole first 2 MiB segment.
+        nan_blocks = [torch.full((2**17,), math.nan, dtype=torch.float64, device=CUDA) for _ in range(2)]
+        del nan_blocks
+        ops.check_and_norm_(grads, found_inf, sum_of_squares, torch.tensor(0.5, device=CUDA))
+        torch.cuda.synchronize()
+    assert found_inf.item() == 0.0
+    assert sum_of_squares.item() == 0.25
+
+
 # --- update_scale_ ------------------------------------------------------------------------
 
 
@@ -494,6 +511,61 @@ def test_optimizer_many_tiny_tensors(optimizer: str) -> None:
     sizes = torch.randint(0, 21, (1000,), generator=torch.Generator().manual_seed(9)).tolist()
     tensors = optimizer_tensors(OPTIMIZER_CONFIGS[4], sizes, n_states, seed=10)
     assert_optimizer_results_match(run(tensors, CUDA, inv=0.5), run(tensors, "cpu", inv=0.5), "fp32")
+
+
+@pytest.mark.large
+def test_adamw_tensor_larger_than_2_pow_31_elements() -> None:
+    # fp16 params with fp32 masters, 16 bytes an element. The math does not depend on where an
+    # element is, so the big tensor's elements must equal those of a 3-element call on the same
+    # values: the first, the one before 2^31 (the last of chunk 2^15 - 1) and the last.
+    numel = 2**31 + 1000
+    if torch.cuda.mem_get_info()[0] < 48 * 2**30:
+        pytest.skip("needs 48 GB of free GPU memory")
+    values = {"master": (0.75, -2.0, 4.0), "grad": (0.5, 3.0, -1.5), "exp_avg": (0.1, -0.3, 0.2)}
+    where = torch.tensor([0, 2**31 - 1, numel - 1], device=CUDA)
+
+    def make(size: int) -> dict[str, torch.Tensor]:
+        t = {}
+        for name, (base, before_2_31, last) in values.items():
+            t[name] = torch.full((size,), base, device=CUDA)
+            t[name][-1] = last
+            if size > 3:
+                t[name][2**31 - 1] = before_2_31
+            else:
+                t[name][1] = before_2_31
+        t["grad"] = t["grad"].half()
+        t["param"] = t["master"].half()
+        t["exp_avg_sq"] = t["exp_avg"].square()
+        return t
+
+    def step(t: dict[str, torch.Tensor]) -> None:
+        ops.adamw_(
+            [t["param"]],
+            [t["grad"]],
+            [t["exp_avg"]],
+            [t["exp_avg_sq"]],
+            [],
+            [t["master"]],
+            [torch.tensor(2.0, device=CUDA)],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            inv_grad_scale=torch.tensor(0.5, device=CUDA),
+        )
+
+    small = make(3)
+    step(small)
+    big = make(numel)
+    step(big)
+    for name in ("param", "master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(bits(big[name][where]), bits(small[name])), name
+        first = big[name][0]
+        assert torch.all(big[name][1:1000] == first) and torch.all(
+            big[name][2**31 - 1000 : 2**31 - 1] == first
+        )
+        assert torch.all(big[name][2**31 : numel - 1] == first), name
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

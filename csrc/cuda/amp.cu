@@ -75,12 +75,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// Where the sums of check_and_norm_'s reduction go: each tensor's to its slot, the total added
-// to sum_of_squares as float + float(total), as the CPU kernel does.
-struct StoreSum {
-  double* sums;
-  __device__ void operator()(int64_t index, double value) const { sums[index] = value; }
-};
+// check_and_norm_'s total, added to sum_of_squares as float + float(total), as the CPU kernel does.
 struct AddToFloat {
   float* target;
   __device__ void operator()(int64_t, double value) const { *target += float(value); }
@@ -101,33 +96,31 @@ void unscale_cuda(const UnscaleCall& call) {
   }
 }
 
-// The grads' blocks write their sums of squares; reduce_per_tensor sums each grad's in block order
-// ([note: per-tensor reduction]), and one more segment adds the grads' sums in list order.
+// The grads' blocks write their sums of squares and one reduction adds them all in block order
+// (by dtype group, then list order): the per-tensor sums would only feed this total. The norm is
+// wanted when the call says so; the partials keep at least one element, as an empty allocation
+// has no address and a null pointer tells the kernel "no norm" (with only empty grads no block
+// runs, and the reduction of zero partials adds 0).
 void check_and_norm_cuda(const CheckAndNormCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const std::vector<GradGroup> groups = group_by_dtype(call.grads, call.dtypes);
-  const auto on_device = at::TensorOptions().device(call.device).dtype(at::kDouble);
   int64_t blocks = 0;
   for (const GradGroup& group : groups) blocks += total_chunks(group.numels);
-  const int64_t count = int64_t(call.dtypes.size());
-  at::Tensor partial_sums, tensor_sums;
-  if (call.sum_of_squares) {
-    partial_sums = at::empty({blocks}, on_device);
-    tensor_sums = at::empty({count}, on_device);
+  const bool norm = call.sum_of_squares != nullptr;
+  at::Tensor partial_sums;
+  if (norm) {
+    partial_sums = at::empty({std::max<int64_t>(blocks, 1)},
+                             at::TensorOptions().device(call.device).dtype(at::kDouble));
   }
-  CheckArgs args{call.found_inf, call.inv_scale,
-                 call.sum_of_squares ? partial_sums.data_ptr<double>() : nullptr};
+  CheckArgs args{call.found_inf, call.inv_scale, norm ? partial_sums.data_ptr<double>() : nullptr};
   for (const GradGroup& group : groups) {
     with_float_dtype(group.dtype, [&](auto g) {
       launch_chunks<1>(check_kernel<decltype(g)::value>, group.pointers, group.numels, args);
     });
-    if (args.partial_sums == nullptr) continue;
-    reduce_per_tensor(args.partial_sums, group.numels, group.indices, 0.0, Sum{},
-                      StoreSum{tensor_sums.data_ptr<double>()});
-    args.partial_sums += total_chunks(group.numels);
+    if (norm) args.partial_sums += total_chunks(group.numels);
   }
-  if (call.sum_of_squares && count > 0) {
-    reduce_segments(tensor_sums.const_data_ptr<double>(), {Segment{0, int32_t(count), 0}}, 0.0,
+  if (norm) {
+    reduce_segments(partial_sums.const_data_ptr<double>(), {Segment{0, int32_t(blocks), 0}}, 0.0,
                     Sum{}, AddToFloat{call.sum_of_squares});
   }
 }
