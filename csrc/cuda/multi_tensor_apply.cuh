@@ -203,9 +203,13 @@ __device__ __forceinline__ T shuffle_down(T value, int offset) {
 
 // The block reduction: combine(a, b) over every thread's value in a fixed order (a shuffle tree
 // per warp, then the warps in order), so that the result is the same run to run. Every thread of
-// the block calls it, once per kernel; the result is complete in thread 0 only.
+// the block calls it; the result is complete in thread 0 only. A kernel may call it more than
+// once: the barrier before the warps store their values waits for an earlier call's warp 0 to
+// have read the same shared storage. The identity is taken by value and assigned, not chosen
+// against the shared value with ?: (an lvalue whose address ptxas needed: a 32-byte local-memory
+// frame in grad_stats_kernel and its reduction, by ptxas -v; none now).
 template <typename T, typename Combine>
-__device__ T block_reduce(T value, const T& identity, Combine combine) {
+__device__ T block_reduce(T value, const T identity, Combine combine) {
   constexpr int kWarps = kBlockThreads / 32;
   // Raw storage: a __shared__ variable cannot run T's default member initializers.
   __shared__ alignas(T) unsigned char storage[kWarps * sizeof(T)];
@@ -214,10 +218,12 @@ __device__ T block_reduce(T value, const T& identity, Combine combine) {
   const int warp = int(threadIdx.x) / 32;
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) value = combine(value, shuffle_down(value, offset));
+  __syncthreads();
   if (lane == 0) warp_values[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    value = lane < kWarps ? warp_values[lane] : identity;
+    value = identity;
+    if (lane < kWarps) value = warp_values[lane];
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) value = combine(value, shuffle_down(value, offset));
   }
