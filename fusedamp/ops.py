@@ -97,9 +97,11 @@ def update_scale_(
 ) -> None:
     """Dynamic loss-scale update on the device (torch's rule, plus hysteresis and bounds).
 
-    On ``found_inf > 0``: the growth tracker resets, one unit of hysteresis is spent, and once
-    none is left the scale is multiplied by ``backoff_factor`` (not below ``min_scale``). After
-    ``growth_interval`` clean steps the scale is multiplied by ``growth_factor`` (not above
+    On ``found_inf != 0`` (any value but 0, NaN and negative ones included: it may be a sum
+    over devices, see [note: found_inf] in csrc/include/fusedamp/math/scale.h): the growth
+    tracker resets, one unit of hysteresis is spent, and once none is left the scale is
+    multiplied by ``backoff_factor`` (not below ``min_scale``). After ``growth_interval`` clean
+    steps the scale is multiplied by ``growth_factor`` (not above
     ``max_scale``, never to inf) and the hysteresis is refilled.
     """
     torch.ops.fusedamp.update_scale_(

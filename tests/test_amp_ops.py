@@ -97,7 +97,7 @@ def check_update_scale_sequence(
     torch_state = (scalar(ours[0], device), torch.zeros((), dtype=torch.int32, device=device))
     scales = set()
     for _ in range(200):
-        # found_inf > 0 means overflow, whatever the value: it may be a sum over devices.
+        # found_inf != 0 means overflow, whatever the value: it may be a sum over devices.
         found_inf = rng.choice([0.0, 0.0, 0.0, 1.0, 3.0])
         ours = run_update(device, ours, found_inf, growth_factor, backoff_factor, growth_interval)
         torch._amp_update_scale_(
