@@ -1,0 +1,124 @@
+"""benchmarks/gpu_check.sh on CPU, so that the script for a lent GPU cannot rot unseen: its dry run
+(every stage's Python entry point as the script calls it, from a copy of the checkout with no
+PYTHONPATH, as on the device; the tests and the sanitizer subset skip without a GPU), and the
+matching that decides whether it installs the build carried from a CPU host."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import device_build
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = "8.0;9.0a"
+
+
+def fake_checkout(root: Path) -> None:
+    (root / "csrc").mkdir(parents=True)
+    (root / "csrc" / "op.cu").write_text("// a kernel\n")
+    (root / "setup.py").write_text("# setup\n")
+    (root / "fusedamp").mkdir()
+
+
+def fake_build(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "_C.cpython-312-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    (folder / "_build_meta.py").write_text("TORCH_VERSION = '2.11.0+cu130'\n")
+
+
+def test_carried_build_is_used_only_when_python_torch_archs_and_sources_match(tmp_path: Path) -> None:
+    root, folder = tmp_path / "checkout", tmp_path / "carried"
+    fake_checkout(root)
+    assert "no carried build" in device_build.mismatch(str(folder), ARCHS, str(root))
+    fake_build(folder)
+    manifest = device_build.write_manifest(str(folder), ARCHS, str(root))
+    assert manifest["torch"] == torch.__version__
+    assert device_build.mismatch(str(folder), ARCHS, str(root)) is None
+    assert "cuda_archs '8.0;9.0a'" in device_build.mismatch(str(folder), "9.0a", str(root))
+    for key, value in [("python", "2.7"), ("torch", "2.11.0+cu130")]:
+        (folder / device_build.MANIFEST).write_text(json.dumps({**manifest, key: value}))
+        assert f"is for {key} {value!r}" in device_build.mismatch(str(folder), ARCHS, str(root))
+    (folder / device_build.MANIFEST).write_text(json.dumps(manifest))
+    (root / "csrc" / "op.cu").write_text("// the kernel, changed\n")
+    assert "is for sources" in device_build.install(str(folder), ARCHS, str(root))
+    assert not list((root / "fusedamp").iterdir())
+    (root / "csrc" / "op.cu").write_text("// a kernel\n")
+    assert device_build.install(str(folder), ARCHS, str(root)) is None
+    assert sorted(p.name for p in (root / "fusedamp").iterdir()) == [
+        "_C.cpython-312-x86_64-linux-gnu.so",
+        "_build_meta.py",
+    ]
+
+
+def test_source_digest_covers_every_file_the_build_compiles() -> None:
+    digest = device_build.source_digest(str(ROOT))
+    assert digest == device_build.source_digest(str(ROOT)) and len(digest) == 64
+    assert (ROOT / "csrc" / "cuda" / "amp.cu").exists() and (ROOT / "fusedamp" / "_cuda_archs.py").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+    checkout = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
+    for name in ("benchmarks", "csrc", "fusedamp", "tests"):
+        shutil.copytree(ROOT / name, checkout / name, ignore=ignore)
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy2(ROOT / name, checkout / name)
+    # This checkout's build, carried: gpu_check.sh must install it into fusedamp/ to import it.
+    carried = checkout / ".device_build"
+    carried.mkdir()
+    for library in (checkout / "fusedamp").glob("_C.*.so"):
+        library.rename(carried / library.name)
+    shutil.copy2(checkout / "fusedamp" / "_build_meta.py", carried / "_build_meta.py")
+    device_build.write_manifest(str(carried), ARCHS, str(checkout))
+
+    out = tmp_path / "out"
+    env = {
+        key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST")
+    }
+    env.update(
+        OUT=str(out),
+        PYTHON=sys.executable,
+        GPU_CHECK_DRY_RUN="1",
+        GPU_CHECK_BENCHMARKS="gemm",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    result = subprocess.run(
+        ["bash", str(checkout / "benchmarks" / "gpu_check.sh")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    logs = {path.name: path.read_text() for path in out.glob("*.log")}
+    assert result.returncode == 0, result.stdout + result.stderr + "".join(logs.values())
+    summary = json.loads((out / "summary.json").read_text())
+    stages = summary["stages"]
+    assert list(stages) == [
+        "build",
+        "cuda_tests",
+        "gemm_tests",
+        "sanitizer_memcheck",
+        "sanitizer_initcheck",
+        "benchmarks",
+    ]
+    assert stages["build"]["status"] == "carried" and summary["ok"]
+    assert summary["env"]["build_info"]["torch_running"] == torch.__version__
+    for name in ("cuda_tests", "gemm_tests"):
+        tests = stages[name]["tests"]
+        assert (
+            stages[name]["status"] == "passed" and tests["tests"] > 0 and tests["skipped"] == tests["tests"]
+        )
+    assert all(stages[name]["status"] == "passed" for name in ("sanitizer_memcheck", "sanitizer_initcheck"))
+    assert logs["sanitizer.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
+    assert "bench_gemm" in logs["benchmarks.log"]
+    assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
