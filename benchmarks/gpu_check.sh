@@ -120,13 +120,16 @@ PYTEST=("$PYTHON" -u -m pytest -v --durations=25 -m cuda -o faulthandler_timeout
         --continue-on-collection-errors -p no:cacheprovider)
 if "$PYTHON" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout=120); fi
 
+# The carried build, when it matches and imports (a host with a newer glibc could make one that
+# does not); else the build below replaces what was installed.
 begin=$(date +%s)
 if carried=$("$PYTHON" -u -m benchmarks.device_build install --folder "$CARRIED" \
-    --archs "$TORCH_CUDA_ARCH_LIST" 2>&1); then
+    --archs "$TORCH_CUDA_ARCH_LIST" 2>&1) &&
+    carried+=$'\n'$("$PYTHON" -c "import fusedamp; print('gpu_check: the carried build imports')" 2>&1); then
   echo "$carried" | tee -a "$OUT/build.log"
   record build carried 0 $(( $(date +%s) - begin ))
 else
-  echo "gpu_check: no carried build: $carried" | tee -a "$OUT/build.log"
+  echo "gpu_check: not using the carried build: $carried" | tee -a "$OUT/build.log"
   if (( DRY_RUN )); then
     record build dry_run 0 0
   elif ! stage build 300 "$OUT/build.log" "$PYTHON" setup.py build_ext --inplace; then
