@@ -94,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=("manifest", "check", "install"))
     parser.add_argument("--folder", required=True, help="the carried build's folder")
     parser.add_argument("--archs", required=True, help="TORCH_CUDA_ARCH_LIST of the build")
+    parser.add_argument("--root", default=ROOT, help="the sources' checkout (default: this one)")
     args = parser.parse_args(argv)
     if args.action == "manifest":
-        print(json.dumps(write_manifest(args.folder, args.archs)))
+        print(json.dumps(write_manifest(args.folder, args.archs, args.root)))
         return 0
-    reason = mismatch(args.folder, args.archs) if args.action == "check" else install(args.folder, args.archs)
+    action = mismatch if args.action == "check" else install
+    reason = action(args.folder, args.archs, args.root)
     if reason is not None:
         print(reason)
         return 1

@@ -53,5 +53,6 @@ for library in "$STAGING"/fusedamp/_C.cpython-*.so; do
   strip --strip-debug -o "$FOLDER/$(basename "$library")" "$library"
 done
 cp "$STAGING/fusedamp/_build_meta.py" "$FOLDER/"
-"$VENV/bin/python" -m benchmarks.device_build manifest --folder "$FOLDER" --archs "$ARCHS"
+# The digest of the sources that were built (the staging copy), whatever changed here since.
+"$VENV/bin/python" -m benchmarks.device_build manifest --folder "$FOLDER" --archs "$ARCHS" --root "$STAGING"
 du -sh "$FOLDER"/*
