@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script for a lent GPU, sized so that a run fits twice in a 15-minute device budget: the
-# stages share GPU_CHECK_BUDGET_S (default 400 s). The build carried from a CPU host
+# stages share GPU_CHECK_BUDGET_S (default 330 s). The build carried from a CPU host
 # (prepare_device_build.sh; its header has the device call and the expected time of each stage)
 # is installed when its Python, torch, archs and sources match, else the extension is built for
 # 8.0;9.0a. Then the CUDA tests (optimizer/AMP tests first, then the GEMM tests, each under its
@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0a}" FUSEDAMP_CUDA=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
-BUDGET_S="${GPU_CHECK_BUDGET_S:-400}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-330}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 CARRIED="${GPU_CHECK_CARRIED_BUILD:-.device_build}"
 START=$(date +%s)
@@ -139,9 +139,9 @@ else
 fi
 
 status=0
-stage cuda_tests 120 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/cuda_tests.xml" \
+stage cuda_tests 100 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/cuda_tests.xml" \
   --ignore=tests/test_gemm_cuda.py tests || status=1
-stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
+stage gemm_tests 50 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
   tests/test_gemm_cuda.py || status=1
 
 # memcheck without the caching allocator (every tensor its own allocation, so it sees bounds);
@@ -158,7 +158,7 @@ for tool in memcheck initcheck; do
     record "sanitizer_$tool" unsupported 0 0
     continue
   fi
-  if ! stage "sanitizer_$tool" 60 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+  if ! stage "sanitizer_$tool" 50 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       ${sanitize[@]+"${sanitize[@]}"} "$PYTHON" -u -m benchmarks.sanitizer_subset; then
     if grep -q "Device not supported" "$OUT/sanitizer.log"; then
       # Some sandboxes (gVisor) refuse the sanitizer: not a finding about fusedamp.
@@ -171,7 +171,7 @@ done
 
 only=()
 if [[ -n "${GPU_CHECK_BENCHMARKS:-}" ]]; then only=(--only "$GPU_CHECK_BENCHMARKS"); fi
-stage benchmarks 90 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks --timeout 60 ${only[@]+"${only[@]}"} \
+stage benchmarks 70 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks --timeout 60 ${only[@]+"${only[@]}"} \
   --json "$OUT/benchmarks.json" --plot "$(mktemp -d)/benchmarks.png" || status=1
 echo "gpu_check: total $(( $(date +%s) - START )) s"
 exit "$status"
