@@ -507,22 +507,26 @@ def test_warm_up_measures_every_mode():
     assert late == {}
 
 
-def test_warm_up_repeats_only_cheap_runs():
+def test_warm_up_repeats_only_cheap_runs(monkeypatch):
+    # A fake clock that advances 0.1 ms per sample of work, so that the choice does not depend on
+    # how busy the machine is.
+    clock = [0.0]
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: clock[0])
     sizes = []
 
-    def work(size):  # 0.1 ms per sample
+    def work(size):
         sizes.append(size)
-        time.sleep(size * 1e-4)
+        clock[0] += size * 1e-4
         return size
 
-    assert budget._seconds_per_sample(work, 128, cheap=10.0) >= 1e-4
+    assert budget._seconds_per_sample(work, 128, cheap=10.0) == pytest.approx(1e-4)
     assert sizes == [32, 32, 128, 128]  # set-up run, probe, and the full size twice
     sizes.clear()
-    budget._seconds_per_sample(work, 128, cheap=0.006)  # a probe run costs ~3 ms, a full one ~13 ms
+    budget._seconds_per_sample(work, 128, cheap=0.006)  # a probe run costs 3.2 ms, a full one 12.8 ms
     assert sizes == [32, 32]
     sizes.clear()
     # Too slow to repeat at full size: the probe still runs twice (the first pays the set-up).
-    assert budget._seconds_per_sample(work, 128, cheap=0.001) >= 1e-4
+    assert budget._seconds_per_sample(work, 128, cheap=0.001) == pytest.approx(1e-4)
     assert sizes == [32, 32]
 
 
