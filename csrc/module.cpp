@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include "common/gemm.h"
+#include "common/prepared.h"
 #include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
@@ -204,6 +205,7 @@ PYBIND11_MODULE(_C, m) {
         "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
+  fusedamp::def_prepared(m);
   m.def("last_level_cache_bytes", &fusedamp::cpu::last_level_cache_bytes,
         "The last-level cache the CPU optimizers size their param stores by, in bytes.");
 #ifdef FUSEDAMP_WITH_CUDA

@@ -405,6 +405,9 @@ def _combine_ranks(
 ) -> None:
     """With DTensor (FSDP2) grads each rank checked only its shards: sums every found_inf over
     the ranks of their device meshes, in place, so that all ranks skip the same steps."""
+    plain = getattr(optimizer, "_fusedamp_plain_grads", None)
+    if plain is not None and plain():
+        return
     meshes = _dtensor.meshes_of(
         param.grad for group in optimizer.param_groups for param in group["params"]
         if param.grad is not None

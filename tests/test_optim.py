@@ -16,8 +16,7 @@ from conftest import needs_cuda
 from torch import Tensor
 
 import fusedamp
-import fusedamp.optim.adamw
-import fusedamp.optim.sgd
+import fusedamp.optim._base
 from fusedamp import ops
 from fusedamp.optim import FusedAdamW, FusedSGD, join_bf16_remainder, split_bf16_remainder
 
@@ -180,13 +179,18 @@ def test_a_thousand_tiny_tensors(fused_cls, torch_cls, name, options) -> None:
 
 def test_mixed_dtypes_in_one_optimizer_make_one_op_call_per_bucket(monkeypatch) -> None:
     calls = []
-    real = fusedamp.optim.adamw.ops.adamw_
+    real = fusedamp.optim._base.op_call
 
-    def counting(params, *args, **kwargs):
-        calls.append({p.dtype for p in params})
-        real(params, *args, **kwargs)
+    def counting(op, lists, *args):
+        call, dtypes = real(op, lists, *args), {p.dtype for p in lists[0]}
 
-    monkeypatch.setattr(fusedamp.optim.adamw.ops, "adamw_", counting)
+        def run(**kwargs):
+            calls.append(dtypes)
+            call(**kwargs)
+
+        return run
+
+    monkeypatch.setattr(fusedamp.optim._base, "op_call", counting)
     generator = torch.Generator().manual_seed(0)
     initial = [torch.randn(n, generator=generator).to(d) for n in (5, 300) for d in DTYPES]
     params = [t.clone().requires_grad_() for t in initial]

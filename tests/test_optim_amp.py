@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 
 import fusedamp
+import fusedamp.optim._base
 import fusedamp.optim._clipping
+import fusedamp.optim._plan
 from fusedamp.optim import FusedAdamW, FusedSGD
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -267,6 +269,10 @@ def test_fusedamp_check_grads_is_the_only_read_pass(monkeypatch) -> None:
         real_check(*args)
 
     monkeypatch.setattr(fusedamp.optim._clipping.ops, "check_and_norm_", check)
+    real_op_call = fusedamp.optim._plan.op_call
+    monkeypatch.setattr(  # the step plan's read-only pass
+        fusedamp.optim._plan, "op_call", lambda op, *args: recorder(calls, op, real_op_call(op, *args))
+    )
     params = make_params(torch.float16)
     opt = FusedAdamW(params, max_grad_norm=0.5)
     generator = torch.Generator().manual_seed(8)
@@ -313,9 +319,13 @@ def test_fusedamp_grad_scaler_makes_one_read_pass_and_one_step(monkeypatch) -> N
     for module, name in (
         (fusedamp.optim._clipping.ops, "check_and_norm_"),
         (fusedamp.optim._clipping.ops, "unscale_"),
-        (fusedamp.optim.adamw.ops, "adamw_"),
     ):
         monkeypatch.setattr(module, name, recorder(calls, name, getattr(module, name)))
+    for module in (fusedamp.optim._base, fusedamp.optim._plan):  # the step plan's op calls
+        real = module.op_call
+        monkeypatch.setattr(
+            module, "op_call", lambda op, *args, real=real: recorder(calls, op, real(op, *args))
+        )
     torch.manual_seed(9)
     model = torch.nn.Linear(32, 8).to(torch.bfloat16)
     ref_model = torch.nn.Linear(32, 8)

@@ -38,6 +38,7 @@ from fusedamp.optim._masters import (
     master_key_for,
     state_dtype,
 )
+from fusedamp.optim._plan import StepPlan, op_call
 from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts, on_device
 
 __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
@@ -71,10 +72,16 @@ def check_lr(lr: float | Tensor) -> None:
 class FusedOptimizer(torch.optim.Optimizer, ABC):
     """Base of FusedAdamW and FusedSGD; subclasses define the state and the op call.
 
-    Subclasses define ``_moment_keys`` and ``_step_bucket``; this class does the rest.
+    Subclasses define ``_moment_keys``, the op of a step (``_op``, ``_op_lists``,
+    ``_op_keywords``, ``_call_options``) and ``_step_native``; this class does the rest.
 
     >>> opt = fusedamp.FusedSGD(model.parameters(), lr=0.1)  # a FusedOptimizer
     """
+
+    # The torch.ops.fusedamp op of a bucket's step; its first two lists are params and grads.
+    _op: str
+    # The group options that _op_keywords reads at each call: changing them keeps the step plan.
+    _call_options: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -90,6 +97,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         self.last_grad_norm: Tensor | None = None
         # Set by _fusedamp_check_grads, used (once) by the step that follows it.
         self._pending_clip_coef: Tensor | None = None
+        self._plan: StepPlan | None = None  # the buckets of the last step (_plan.py)
 
     # Whether sparse grads are taken (torch.optim.SGD takes them, AdamW refuses them).
     _takes_sparse_grads = False
@@ -124,6 +132,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        self._plan = None
         group = self.param_groups[-1]
         mode = group["master_weights"]
         if mode not in (True, False, "remainder"):
@@ -161,6 +170,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         super().__setstate__(state)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
+        self._plan = None
         # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -192,8 +202,22 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         """The fp32 state entries shaped like the param that ``group``'s options need."""
 
     @abstractmethod
+    def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]:
+        """The tensor lists of ``_op`` for ``bucket`` (params, grads, then its state's), made
+        once per bucket."""
+
+    @abstractmethod
+    def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
+        """The other arguments of ``_op`` for ``bucket``, by name, read at each step."""
+
     def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
         """One fused op call on ``bucket``, its state made by _state_of."""
+        if bucket.call is None:
+            if bucket.grads_from_params:
+                bucket.call = op_call(self._op, self._op_lists(bucket), bucket.params, 1)
+            else:
+                bucket.call = op_call(self._op, self._op_lists(bucket))
+        bucket.call(**self._op_keywords(bucket, scalars))
 
     @abstractmethod
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
@@ -242,6 +266,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         state_dict) are made from the params at the next step.
         """
         super().load_state_dict(state_dict)
+        self._plan = None
         # torch casts every floating state tensor to its param's dtype, which would round the
         # fp32 moments and masters of half params: redo the cast from the saved values.
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -285,7 +310,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._check_hyperparameters()
-        buckets = self._buckets()
+        buckets = self._planned_buckets()
         clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
         if clip_coef is None and self.max_grad_norm is not None and buckets:
             _, sums = self._check_and_norm(inv_scale)
@@ -326,6 +351,18 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                         f"shape {tuple(param.shape)}; each grad must have its param's shape"
                     )
                 yield group, param, grad
+
+    def _planned_buckets(self) -> list[Bucket]:
+        """The buckets of this step: the step plan's while it fits (see _plan.py), else new ones
+        (and a new plan of them)."""
+        if torch.compiler.is_compiling():
+            return self._buckets()
+        plan = self._plan
+        if plan is not None and plan.fits(self):
+            return plan.buckets
+        buckets = self._buckets()
+        self._plan = StepPlan.build(self, buckets)
+        return buckets
 
     def _buckets(self) -> list[Bucket]:
         # Runs for every param at every step: the plain case takes the fewest Python steps.
@@ -372,11 +409,20 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             self._pending_clip_coef = self._clip_coef(sums)
         return found
 
+    def _fusedamp_plain_grads(self) -> bool:
+        """Whether every grad is known to be a plain tensor (no DTensor): true while the step
+        plan fits. fusedamp.GradScaler then skips its look for device meshes."""
+        plan = self._plan
+        return plan is not None and not torch.compiler.is_compiling() and plan.fits(self)
+
     def _check_and_norm(
         self, inv_scale: Tensor | None
     ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+        with_norm = self.max_grad_norm is not None
+        if self._fusedamp_plain_grads():
+            return self._plan.check_and_norm(inv_scale, with_norm)
         grads = ((grad, param.device) for _, param, grad in self._grads())
-        return check_and_norm(grads, inv_scale, self.max_grad_norm is not None)
+        return check_and_norm(grads, inv_scale, with_norm)
 
     def _clip_coef(self, sums: dict[torch.device, Tensor]) -> Tensor:
         """The clip coefficient of ``sums`` (see clip_coefficient); sets last_grad_norm."""

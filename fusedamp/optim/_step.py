@@ -3,6 +3,7 @@ kernels walk, and torch's ops for the dtypes the kernels do not take."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,10 @@ class Bucket:
     states: list[dict[str, Any]] = field(default_factory=list)
     write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     grad_write_backs: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    # The op call, made at the first step of the bucket (_plan.op_call); in a StepPlan's
+    # buckets it reads the grads from the params at each call instead of from ``grads``.
+    call: Callable[..., None] | None = None
+    grads_from_params: bool = False
 
     def state_list(self, key: str) -> list[Tensor]:
         if self.complex:
@@ -74,11 +79,14 @@ class AmpScalars:
         return write_unscaled_grads and (self.inv_grad_scale is not None or self.clip_coef is not None)
 
     def op_keywords(self, bucket: Bucket) -> dict[str, Any]:
-        """The keywords every fused step op (ops.adamw_, ops.sgd_) takes alike, for a bucket: its
-        group's lr (on the bucket's device) and maximize, and these AMP scalars."""
+        """The keywords every fused step op (torch.ops.fusedamp.adamw_, sgd_) takes alike, for a
+        bucket: its group's lr (a float, or a tensor on the bucket's device) and maximize, and
+        these AMP scalars."""
         group = bucket.group
+        lr = lr_for_device(group["lr"], bucket.device)
         return {
-            "lr": lr_for_device(group["lr"], bucket.device),
+            "lr": 0.0 if isinstance(lr, Tensor) else float(lr),
+            "lr_tensor": lr if isinstance(lr, Tensor) else None,
             "maximize": group["maximize"],
             "inv_grad_scale": self.inv_grad_scale,
             "found_inf": self.found_inf,

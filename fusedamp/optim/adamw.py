@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusedamp import ops
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._masters import MasterWeights
 from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
@@ -114,24 +113,31 @@ class FusedAdamW(FusedOptimizer):
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         return ("exp_avg", "exp_avg_sq")
 
-    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
-        group = bucket.group
-        beta1, beta2 = group["betas"]
-        ops.adamw_(
+    _op = "adamw_"
+    _call_options = frozenset({"lr", "betas", "eps", "weight_decay", "maximize", "write_unscaled_grads"})
+
+    def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]:
+        return [
             bucket.params,
             bucket.grads,
             bucket.state_list("exp_avg"),
             bucket.state_list("exp_avg_sq"),
-            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+            bucket.state_list("max_exp_avg_sq") if bucket.group["amsgrad"] else [],
             bucket.masters(),
             bucket.state_list("step"),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            amsgrad=group["amsgrad"],
+        ]
+
+    def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
+        group = bucket.group
+        beta1, beta2 = group["betas"]
+        return {
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": group["eps"],
+            "weight_decay": group["weight_decay"],
+            "amsgrad": group["amsgrad"],
             **scalars.op_keywords(bucket),
-        )
+        }
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
         # torch's fused AdamW reads the step count after the increment and skips on found_inf == 1.

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusedamp import ops
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._masters import MasterWeights
 from fusedamp.optim._step import AmpScalars, Bucket, advance_steps, lr_for_device, native_grads
@@ -84,20 +83,24 @@ class FusedSGD(FusedOptimizer):
             return torch.ones((), dtype=torch.float32, device=param.device)
         return super()._new_state(key, param, state)
 
-    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
+    _op = "sgd_"
+    _call_options = frozenset(
+        {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "write_unscaled_grads"}
+    )
+
+    def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]:
+        buffers = bucket.state_list("momentum_buffer") if bucket.group["momentum"] != 0 else []
+        return [bucket.params, bucket.grads, buffers, bucket.masters(), bucket.state_list("step")]
+
+    def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
         group = bucket.group
-        ops.sgd_(
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("momentum_buffer") if group["momentum"] != 0 else [],
-            bucket.masters(),
-            bucket.state_list("step"),
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
+        return {
+            "momentum": group["momentum"],
+            "dampening": group["dampening"],
+            "weight_decay": group["weight_decay"],
+            "nesterov": group["nesterov"],
             **scalars.op_keywords(bucket),
-        )
+        }
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
         # torch.optim.SGD's single-tensor ops in its order (so float64 results are torch's),
