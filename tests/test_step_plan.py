@@ -296,3 +296,21 @@ def test_a_grad_scaler_sees_each_steps_new_grads(fused_cls) -> None:
         scaler.update()
         skipped.append(all(torch.equal(b, p) for b, p in zip(before, twins.params, strict=True)))
     assert skipped == [False, False, True, False]
+
+
+@BOTH
+def test_planned_steps_bump_the_versions_of_what_they_write(fused_cls) -> None:
+    # Autograd finds a saved tensor changed in place by its version counter.
+    twins = Twins(fused_cls)
+    twins.step(1)
+    key = "exp_avg" if fused_cls is FusedAdamW else "momentum_buffer"
+    state = twins.fused.state[twins.params[0]]
+    before = (twins.params[0]._version, state[key]._version, state["step"]._version)
+    twins.step(1)
+    after = (twins.params[0]._version, state[key]._version, state["step"]._version)
+    assert twins.fused._plan.buckets[0].call.unboxed
+    assert all(b < a for b, a in zip(before, after, strict=True))
+    product = (twins.params[1] * twins.params[1]).sum()
+    twins.step(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()

@@ -3,41 +3,137 @@
 
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
 namespace fusedamp {
+
+namespace {
+
+using List = at::TensorList;
+using Optional = const c10::optional<at::Tensor>&;
+// The kernels' signatures (ops/*.cpp). One that no longer matches its schema's kernel makes
+// typed() throw, and the call goes boxed: slower, still right.
+using AdamwSignature = void(List, List, List, List, List, List, List, double, Optional, double,
+                            double, double, double, bool, bool, Optional, Optional, Optional, bool);
+using SgdSignature = void(List, List, List, List, List, double, Optional, double, double, double,
+                          bool, bool, Optional, Optional, Optional, bool);
+using CheckAndNormSignature = void(List, const at::Tensor&, Optional, Optional);
+
+template <typename Signature>
+struct Unboxed;
+
+template <typename... Args>
+struct Unboxed<void(Args...)> {
+  static constexpr size_t kLists = [] {
+    size_t count = 0;
+    for (bool is_list : {std::is_same_v<std::decay_t<Args>, List>...}) {
+      if (!is_list) break;
+      ++count;
+    }
+    return count;
+  }();
+
+  template <size_t I>
+  static decltype(auto) argument(const std::vector<List>& lists, torch::jit::Stack& scalars) {
+    using Arg = std::decay_t<std::tuple_element_t<I, std::tuple<Args...>>>;
+    if constexpr (I < kLists) {
+      return lists[I];
+    } else {
+      return scalars[I - kLists].to<Arg>();
+    }
+  }
+
+  template <size_t... I>
+  static void call(const c10::OperatorHandle& op, const std::vector<List>& lists,
+                   torch::jit::Stack& scalars, std::index_sequence<I...>) {
+    op.typed<void(Args...)>().call(argument<I>(lists, scalars)...);
+  }
+
+  static void invoke(const c10::OperatorHandle& op, const std::vector<List>& lists,
+                     torch::jit::Stack& scalars) {
+    call(op, lists, scalars, std::index_sequence_for<Args...>{});
+  }
+
+  // invoke, if `op` has this signature and is called with all its leading lists.
+  static PreparedCall::Invoke for_op(const c10::OperatorHandle& op, size_t lists) {
+    if (lists != kLists) return nullptr;
+    try {
+      op.typed<void(Args...)>();
+    } catch (const c10::Error&) {
+      return nullptr;
+    }
+    return &invoke;
+  }
+};
+
+PreparedCall::Invoke unboxed_for(const c10::OperatorHandle& op, size_t lists) {
+  const std::string& name = op.schema().name();
+  if (name == "fusedamp::adamw_") return Unboxed<AdamwSignature>::for_op(op, lists);
+  if (name == "fusedamp::sgd_") return Unboxed<SgdSignature>::for_op(op, lists);
+  if (name == "fusedamp::check_and_norm_") return Unboxed<CheckAndNormSignature>::for_op(op, lists);
+  return nullptr;
+}
+
+}  // namespace
 
 PreparedCall::PreparedCall(const std::string& op, std::vector<std::vector<at::Tensor>> lists,
                            std::vector<at::Tensor> grads_of, int64_t grads_at)
     : op_(c10::Dispatcher::singleton().findSchemaOrThrow(op.c_str(), "")),
+      lists_(std::move(lists)),
       grads_of_(std::move(grads_of)),
-      grads_at_(grads_at) {
+      grads_at_(grads_at),
+      invoke_(nullptr) {
   const auto& arguments = op_.schema().arguments();
-  TORCH_CHECK_VALUE(lists.size() <= arguments.size(), "PreparedCall: ", op, " takes ",
-                    arguments.size(), " arguments, got ", lists.size(), " lists");
-  TORCH_CHECK_VALUE(grads_at >= -1 && grads_at < int64_t(lists.size()), "PreparedCall: grads_at ",
-                    grads_at, " is not one of the ", lists.size(), " lists");
-  for (size_t i = 0; i < lists.size(); ++i) {
+  TORCH_CHECK_VALUE(lists_.size() <= arguments.size(), "PreparedCall: ", op, " takes ",
+                    arguments.size(), " arguments, got ", lists_.size(), " lists");
+  TORCH_CHECK_VALUE(grads_at >= -1 && grads_at < int64_t(lists_.size()), "PreparedCall: grads_at ",
+                    grads_at, " is not one of the ", lists_.size(), " lists");
+  for (size_t i = 0; i < lists_.size(); ++i) {
     TORCH_CHECK_TYPE(arguments[i].type()->kind() == c10::TypeKind::ListType, "PreparedCall: ", op,
                      " argument ", arguments[i].name(), " is not a tensor list");
-    lists_.emplace_back(c10::List<at::Tensor>(std::move(lists[i])));
+  }
+  if (grads_at >= 0) lists_[grads_at].clear();  // read from grads_of at each call
+  invoke_ = unboxed_for(op_, lists_.size());
+}
+
+void PreparedCall::bump_written(const std::vector<at::TensorList>& lists,
+                                const torch::jit::Stack& scalars) const {
+  auto bump = [](const at::Tensor& tensor) {
+    if (tensor.defined() && tensor.unsafeGetTensorImpl()->version_counter().enabled()) {
+      tensor.unsafeGetTensorImpl()->bump_version();
+    }
+  };
+  const auto& arguments = op_.schema().arguments();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (i < lists.size()) {
+      for (const at::Tensor& tensor : lists[i]) bump(tensor);
+    } else if (scalars[i - lists.size()].isTensor()) {
+      bump(scalars[i - lists.size()].toTensor());
+    }
   }
 }
 
 void PreparedCall::call(const py::kwargs& scalars) const {
   const auto& arguments = op_.schema().arguments();
-  torch::jit::Stack stack(lists_.begin(), lists_.end());
-  stack.reserve(arguments.size());
+  std::vector<at::TensorList> lists(lists_.begin(), lists_.end());
+  std::vector<at::Tensor> grads;
   if (grads_at_ >= 0) {
-    c10::List<at::Tensor> grads;
     grads.reserve(grads_of_.size());
     for (const at::Tensor& param : grads_of_) {
       const at::Tensor& grad = param.grad();
       TORCH_CHECK(grad.defined(), "PreparedCall: a param of the plan lost its grad (a stale plan)");
       grads.push_back(grad);
     }
-    stack[grads_at_] = std::move(grads);
+    lists[grads_at_] = grads;
   }
+  torch::jit::Stack stack;
+  stack.reserve(arguments.size());
   size_t used = 0;
-  for (size_t i = lists_.size(); i < arguments.size(); ++i) {
+  for (size_t i = lists.size(); i < arguments.size(); ++i) {
     const c10::Argument& argument = arguments[i];
     const char* name = argument.name().c_str();
     if (scalars.contains(name)) {
@@ -52,7 +148,22 @@ void PreparedCall::call(const py::kwargs& scalars) const {
   TORCH_CHECK_VALUE(used == scalars.size(), "PreparedCall: ", op_.schema().name(), " got ",
                     scalars.size() - used, " keyword argument(s) it does not take");
   py::gil_scoped_release no_gil;
-  op_.callBoxed(stack);
+  if (invoke_ != nullptr && !at::GradMode::is_enabled()) {
+    // Below the autograd keys, whose fallbacks would box the call again only to find that no
+    // grad is recorded; the one thing they do then, bump the versions of the tensors the op
+    // writes, is done here.
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      invoke_(op_, lists, stack);
+    }
+    bump_written(lists, stack);
+    return;
+  }
+  torch::jit::Stack boxed;
+  boxed.reserve(arguments.size());
+  for (const at::TensorList list : lists) boxed.emplace_back(c10::List<at::Tensor>(list.vec()));
+  boxed.insert(boxed.end(), stack.begin(), stack.end());
+  op_.callBoxed(boxed);
 }
 
 GradWatch::GradWatch(std::vector<at::Tensor> params, std::vector<c10::optional<at::Tensor>> grads) {
@@ -126,7 +237,9 @@ void def_prepared(py::module_& m) {
       .def(py::init<const std::string&, std::vector<std::vector<at::Tensor>>,
                     std::vector<at::Tensor>, int64_t>(),
            py::arg("op"), py::arg("lists"), py::arg("grads_of"), py::arg("grads_at"))
-      .def("__call__", &PreparedCall::call, "Runs the op with these keyword arguments.");
+      .def("__call__", &PreparedCall::call, "Runs the op with these keyword arguments.")
+      .def_property_readonly("unboxed", &PreparedCall::unboxed,
+                             "Whether the lists go to the kernel by reference (see prepared.h).");
   py::class_<GradWatch>(m, "GradWatch", "What a step plan assumed of its params' grads.")
       .def(py::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>>(),
            py::arg("params"), py::arg("grads"))

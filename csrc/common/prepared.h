@@ -2,6 +2,7 @@
 // whose tensor lists were converted once, and the check that a plan still fits its params' grads.
 #pragma once
 
+#include <ATen/core/stack.h>
 #include <torch/extension.h>
 
 #include <string>
@@ -13,18 +14,27 @@ namespace fusedamp {
 // that a call converts only its keyword scalars (the Python dispatch costs about 0.1 us for each
 // tensor of a list). The list at `grads_at` (if not -1) is read at each call from the .grad of
 // `grads_of`: backward makes new grad tensors every step, the plan keeps the params. It runs
-// through the dispatcher as torch.ops does.
+// through the dispatcher as torch.ops does; the optimizer ops and check_and_norm_ unboxed, with
+// the lists passed by reference (a boxed call copies each list into and out of IValues).
 class PreparedCall {
  public:
+  // Runs the op on these lists and the scalars (the op's later arguments, as IValues).
+  using Invoke = void (*)(const c10::OperatorHandle&, const std::vector<at::TensorList>&,
+                          torch::jit::Stack&);
+
   PreparedCall(const std::string& op, std::vector<std::vector<at::Tensor>> lists,
                std::vector<at::Tensor> grads_of, int64_t grads_at);
   void call(const py::kwargs& scalars) const;
+  bool unboxed() const { return invoke_ != nullptr; }
 
  private:
+  void bump_written(const std::vector<at::TensorList>& lists, const torch::jit::Stack& scalars) const;
+
   c10::OperatorHandle op_;
-  std::vector<c10::IValue> lists_;
+  std::vector<std::vector<at::Tensor>> lists_;
   std::vector<at::Tensor> grads_of_;
   int64_t grads_at_;
+  Invoke invoke_;  // the unboxed call, or nullptr: boxed
 };
 
 // What a plan assumed of its params and their grads. fits() is true while every param that had a
