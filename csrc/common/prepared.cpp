@@ -1,5 +1,8 @@
-// PreparedCall and GradWatch (see prepared.h), and their Python bindings.
+// PreparedCall, GradWatch and IdentityWatch, and their Python bindings (see prepared.h).
 #include "common/prepared.h"
+
+#include <ATen/core/stack.h>
+#include <torch/extension.h>
 
 #include <torch/csrc/jit/python/pybind_utils.h>
 
@@ -8,6 +11,75 @@
 #include <utility>
 
 namespace fusedamp {
+
+// A torch.ops.fusedamp call whose leading tensor-list arguments are held here as C++ vectors, so
+// that a call converts only its keyword scalars (the Python dispatch costs about 0.1 us for each
+// tensor of a list). The list at `grads_at` (if not -1) is read at each call from the .grad of
+// `grads_of`: backward makes new grad tensors every step, the plan keeps the params. It runs
+// through the dispatcher as torch.ops does; the optimizer ops and check_and_norm_ unboxed, with
+// the lists passed by reference (a boxed call copies each list into and out of IValues).
+class PreparedCall {
+ public:
+  // Runs the op on these lists and the scalars (the op's later arguments, as IValues).
+  using Invoke = void (*)(const c10::OperatorHandle&, const std::vector<at::TensorList>&,
+                          torch::jit::Stack&);
+
+  PreparedCall(const std::string& op, std::vector<std::vector<at::Tensor>> lists,
+               std::vector<at::Tensor> grads_of, int64_t grads_at);
+  void call(const py::kwargs& scalars) const;
+  bool unboxed() const { return invoke_ != nullptr; }
+
+ private:
+  void bump_written(const std::vector<at::TensorList>& lists, const torch::jit::Stack& scalars) const;
+
+  c10::OperatorHandle op_;
+  std::vector<std::vector<at::Tensor>> lists_;
+  std::vector<at::Tensor> grads_of_;
+  int64_t grads_at_;
+  Invoke invoke_;  // the unboxed call, or nullptr: boxed
+};
+
+// What a plan assumed of its params and their grads. fits() is true while every param that had a
+// grad has one (any tensor: backward makes new ones) of the same dtype, layout, shape and
+// contiguity, every param that had none still has none, and the params keep their dtype, device
+// and contiguity (`param.data = ...` may change them).
+class GradWatch {
+ public:
+  GradWatch(std::vector<at::Tensor> params, std::vector<c10::optional<at::Tensor>> grads);
+  bool fits() const;
+
+ private:
+  struct Entry {
+    at::Tensor param;
+    at::ScalarType param_dtype;
+    at::Device device;
+    bool param_contiguous;
+    bool has_grad;
+    at::ScalarType grad_dtype;
+    bool grad_contiguous;
+  };
+  std::vector<Entry> entries_;
+};
+
+// The entries of some dicts (an optimizer's state and each param's state in a plan) and lists (the
+// groups' params): unchanged() is true while every dict holds the same keys bound to the same
+// objects in the same order, and every list the same objects. Compared by identity in C++, so a
+// plan checks them at a few ns an entry (looking a param up in optimizer.state from Python
+// hashes it through Tensor.__hash__).
+class IdentityWatch {
+ public:
+  IdentityWatch(const std::vector<py::dict>& dicts, const std::vector<py::list>& lists);
+  bool unchanged() const;
+
+ private:
+  struct Watched {
+    py::object container;
+    std::vector<std::pair<py::object, py::object>> entries;  // (key, value); key None in a list
+  };
+  std::vector<Watched> dicts_;
+  std::vector<Watched> lists_;
+};
+
 
 namespace {
 
@@ -198,8 +270,7 @@ bool GradWatch::fits() const {
   return true;
 }
 
-DictWatch::DictWatch(const std::vector<py::dict>& dicts) {
-  dicts_.reserve(dicts.size());
+IdentityWatch::IdentityWatch(const std::vector<py::dict>& dicts, const std::vector<py::list>& lists) {
   for (const py::dict& dict : dicts) {
     Watched watched{dict, {}};
     watched.entries.reserve(PyDict_Size(dict.ptr()));
@@ -212,11 +283,18 @@ DictWatch::DictWatch(const std::vector<py::dict>& dicts) {
     }
     dicts_.push_back(std::move(watched));
   }
+  for (const py::list& list : lists) {
+    Watched watched{list, {}};
+    for (const py::handle item : list) {
+      watched.entries.emplace_back(py::none(), py::reinterpret_borrow<py::object>(item));
+    }
+    lists_.push_back(std::move(watched));
+  }
 }
 
-bool DictWatch::unchanged() const {
+bool IdentityWatch::unchanged() const {
   for (const Watched& watched : dicts_) {
-    PyObject* dict = watched.dict.ptr();
+    PyObject* dict = watched.container.ptr();
     if (PyDict_Size(dict) != Py_ssize_t(watched.entries.size())) return false;
     PyObject* key;
     PyObject* value;
@@ -226,6 +304,13 @@ bool DictWatch::unchanged() const {
           value != expected_value.ptr()) {
         return false;
       }
+    }
+  }
+  for (const Watched& watched : lists_) {
+    PyObject* list = watched.container.ptr();
+    if (PyList_GET_SIZE(list) != Py_ssize_t(watched.entries.size())) return false;
+    for (size_t i = 0; i < watched.entries.size(); ++i) {
+      if (PyList_GET_ITEM(list, Py_ssize_t(i)) != watched.entries[i].second.ptr()) return false;
     }
   }
   return true;
@@ -245,10 +330,12 @@ void def_prepared(py::module_& m) {
            py::arg("params"), py::arg("grads"))
       .def("fits", &GradWatch::fits,
            "Whether the params and grads still have the dtypes, layouts and presence seen.");
-  py::class_<DictWatch>(m, "DictWatch", "The entries of some dicts, compared by identity.")
-      .def(py::init<const std::vector<py::dict>&>(), py::arg("dicts"))
-      .def("unchanged", &DictWatch::unchanged,
-           "Whether every dict holds the same keys bound to the same objects, in order.");
+  py::class_<IdentityWatch>(m, "IdentityWatch",
+                            "The entries of some dicts and lists, compared by identity.")
+      .def(py::init<const std::vector<py::dict>&, const std::vector<py::list>&>(),
+           py::arg("dicts"), py::arg("lists"))
+      .def("unchanged", &IdentityWatch::unchanged,
+           "Whether every dict and list holds the same objects (and keys), in order.");
 }
 
 }  // namespace fusedamp

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,13 +77,16 @@ class StepPlan:
         self.buckets = buckets
         self.state = optimizer.state
         self.groups = [
-            (group, list(group["params"]), group_signature(optimizer, group))
-            for group in optimizer.param_groups
+            (group, group["params"], group_signature(optimizer, group)) for group in optimizer.param_groups
         ]
         params = [param for _, group_params, _ in self.groups for param in group_params]
         self.watch = _C.GradWatch(params, [param.grad for param in params])
-        # Which params have a state (and which dict), and every entry of those dicts.
-        self.state_watch = _C.DictWatch([self.state, *(s for bucket in buckets for s in bucket.states)])
+        # Which params have a state (and which dict), every entry of those dicts, and the params
+        # of each group.
+        self.same_objects = _C.IdentityWatch(
+            [self.state, *(state for bucket in buckets for state in bucket.states)],
+            [group_params for _, group_params, _ in self.groups],
+        )
         # The read-only pass takes the grads in _grads()'s order, as without a plan.
         grads_by_device: dict[torch.device, list[Tensor]] = {}
         for param in params:
@@ -102,7 +104,10 @@ class StepPlan:
     @classmethod
     def build(cls, optimizer: FusedOptimizer, buckets: list[Bucket]) -> StepPlan | None:
         """The plan of ``buckets`` (just made by ``optimizer._buckets()``), or None when some
-        bucket steps copies or views of the user's tensors, which are made anew each step."""
+        bucket steps copies or views of the user's tensors, which are made anew each step (or a
+        group's params are not a list, which the plan watches)."""
+        if not all(type(group["params"]) is list for group in optimizer.param_groups):
+            return None
         for bucket in buckets:
             if bucket.native or bucket.complex or bucket.write_backs or bucket.grad_write_backs:
                 return None
@@ -118,12 +123,11 @@ class StepPlan:
         if optimizer.state is not self.state or len(optimizer.param_groups) != len(self.groups):
             return False
         for group, (planned, params, signature) in zip(optimizer.param_groups, self.groups, strict=True):
-            current = group["params"]
-            if group is not planned or len(current) != len(params) or not all(map(is_, current, params)):
+            if group is not planned or group["params"] is not params:
                 return False
             if not same_signature(group_signature(optimizer, group), signature):
                 return False
-        return self.watch.fits() and self.state_watch.unchanged()
+        return self.same_objects.unchanged() and self.watch.fits()
 
     def check_and_norm(
         self, inv_scale: Tensor | None, with_norm: bool
