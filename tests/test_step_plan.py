@@ -145,9 +145,8 @@ def test_changed_hyperparameters_are_used() -> None:
 
 
 def test_momentum_switched_on_makes_its_buffers() -> None:
-    # torch.optim.SGD would start the buffer as the grad; fusedamp's buffer starts at zero when
-    # the param has taken steps before, with or without a plan.
-    twins = Twins(FusedSGD, unplanned_ref=True, momentum=0.0)
+    # The new buffers start as the grad, as torch.optim.SGD starts a missing buffer.
+    twins = Twins(FusedSGD, momentum=0.0)
     twins.step(2)
     twins.do(lambda opt, _: opt.param_groups[0].update(momentum=0.5, dampening=0.25))
     twins.step(2)

@@ -81,6 +81,10 @@ class FusedSGD(FusedOptimizer):
         if key == "step" and "momentum_buffer" in state:
             # A torch.optim.SGD state (buffer, no count): the buffer is live, not to be reset.
             return torch.ones((), dtype=torch.float32, device=param.device)
+        if key == "momentum_buffer" and "step" in state:
+            # Momentum switched on after steps without it: torch.optim.SGD starts a missing buffer
+            # as the grad, which the kernels do at step count 0 (in place: the plan keeps it).
+            state["step"].zero_()
         return super()._new_state(key, param, state)
 
     _op = "sgd_"
