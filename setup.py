@@ -131,7 +131,10 @@ for site in sys.path:
 # ATen's at::parallel_for is an inline `#pragma omp parallel`: without -fopenmp every CPU kernel
 # runs on one thread (csrc/cpu/launcher.h refuses to compile then). Link the OpenMP runtime torch
 # itself loads (torch/lib/libgomp.so.1), never a second one with its own thread pool.
-cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
+# No contraction of a * b + c into FMAs (-ffp-contract=off here, --fmad=false for nvcc): every ISA
+# build and the CUDA kernels then round alike, so optimizer states (8-bit codes included) are
+# bitwise the same on AVX-512, AVX2, baseline and CUDA.
+cxx_flags = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 link_flags = ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
 CPU_ISAS = ("avx512", "avx2", "baseline")
@@ -163,7 +166,7 @@ def cpu_kernel_sources() -> list[str]:
 ext_sources = (sources("csrc/*.cpp") + sources("csrc/common/*.cpp") + sources("csrc/ops/*.cpp")
                + sources("csrc/cpu/*.cpp") + cpu_kernel_sources())
 if with_cuda:
-    nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "--fmad=false"]
     if os.environ.get("FUSEDAMP_PTXAS_VERBOSE") == "1":
         nvcc_flags.append("-Xptxas=-v")
     extension = CUDAExtension(

@@ -26,7 +26,15 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] masters, "
       "Tensor(g!)[] steps, float lr, Tensor? lr_tensor, float beta1, float beta2, float eps, "
       "float weight_decay, bool amsgrad, bool maximize, Tensor? inv_grad_scale, "
-      "Tensor? found_inf, Tensor? clip_coef, bool write_unscaled_grads) -> ()");
+      "Tensor? found_inf, Tensor? clip_coef, bool write_unscaled_grads, "
+      "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
+      "Tensor(j!)[]? max_exp_avg_sq_scales=None, int[]? rounding_ids=None, "
+      "int rounding_seed=0) -> ()");
+  // [note: state codecs] Moments (and SGD's momentum buffers) are float32, bfloat16 or uint8
+  // block codes (math/codec.h), one dtype for every state list of a call; uint8 states come with
+  // their fp32 scale lists (one per 256 elements of storage order). rounding_ids (one per param,
+  // fp16/bf16 params without masters): the param takes the update stochastically rounded, with
+  // bits from a hash of (rounding_seed, step count after the step, rounding_ids[i], element).
   // One fused SGD step (math/sgd.h); momentum_buffers empty when momentum == 0; a param whose
   // step count is 0 takes its first step (buffer = grad).
   m.def(
@@ -34,13 +42,19 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, Tensor? lr_tensor, float momentum, "
       "float dampening, float weight_decay, bool nesterov, bool maximize, "
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
-      "bool write_unscaled_grads) -> ()");
+      "bool write_unscaled_grads, Tensor(f!)[]? momentum_buffer_scales=None, "
+      "int[]? rounding_ids=None, int rounding_seed=0) -> ()");
   // The bf16 remainder encoding of fp32 masters (math/master.h, [note: remainder encoding]):
   // split turns fp32 masters into (bf16 param, int16 remainder), join rebuilds the masters.
   // Dense tensors in any memory format; the outputs take the input's. CPU only: the optimizers
   // use them once, when a param's master state is made or converted.
   m.def("split_bf16_remainder(Tensor master) -> (Tensor param, Tensor remainder)");
   m.def("join_bf16_remainder(Tensor param, Tensor remainder) -> Tensor");
+  // The 8-bit block codes of a float32 state (math/codec.h [note: block codes]): signed (exp_avg,
+  // momentum) or unsigned (exp_avg_sq); blocks of 256 elements in storage order, codes in the
+  // input's memory format, scales 1-D. CPU only: used when states are imported or exported.
+  m.def("encode_state(Tensor values, bool is_signed) -> (Tensor codes, Tensor scales)");
+  m.def("decode_state(Tensor codes, Tensor scales, bool is_signed) -> Tensor");
   // out = act(a @ b + bias) with fp32 accumulation, rounded once to out_dtype (a's dtype or
   // float32). a (..., K) fp16/bf16, leading dims flattened; b (K, N) same dtype, any strides (pass
   // W.t() for x @ W.T); bias (N,) in a's dtype or float32; activation none|relu|gelu|gelu_tanh.

@@ -16,7 +16,9 @@ from torch import Tensor
 from fusedamp import _C  # noqa: F401  (importing the extension registers torch.ops.fusedamp)
 from fusedamp._layout import has_kernel, is_dense, real_view
 
-__all__ = ["unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"]
+__all__ = [
+    "unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_", "encode_state", "decode_state",
+]
 
 
 def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
@@ -130,13 +132,24 @@ def adamw_(
     found_inf: Tensor | None = None,
     clip_coef: Tensor | None = None,
     write_unscaled_grads: bool = True,
+    exp_avg_scales: list[Tensor] | None = None,
+    exp_avg_sq_scales: list[Tensor] | None = None,
+    max_exp_avg_sq_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
 ) -> None:
-    """One fused AdamW step over same-dtype, same-device lists (see csrc/registration.cpp)."""
+    """One fused AdamW step over same-dtype, same-device lists (see csrc/registration.cpp).
+
+    Moments may be float32, bfloat16 or uint8 block codes with their ``*_scales`` lists
+    ([note: state codecs]); ``rounding_ids`` (one per param) rounds half params without masters
+    stochastically, with bits from a hash of (``rounding_seed``, step, id, element).
+    """
     lr_value, lr_tensor = _split_lr(lr)
     torch.ops.fusedamp.adamw_(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr_value,
         lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv_grad_scale, found_inf,
-        clip_coef, write_unscaled_grads,
+        clip_coef, write_unscaled_grads, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales,
+        rounding_ids, rounding_seed,
     )
 
 
@@ -157,14 +170,34 @@ def sgd_(
     found_inf: Tensor | None = None,
     clip_coef: Tensor | None = None,
     write_unscaled_grads: bool = True,
+    momentum_buffer_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
 ) -> None:
-    """One fused SGD step over same-dtype, same-device lists (see csrc/registration.cpp)."""
+    """One fused SGD step over same-dtype, same-device lists (see csrc/registration.cpp); the
+    momentum buffers and ``rounding_ids`` as in :func:`adamw_`."""
     lr_value, lr_tensor = _split_lr(lr)
     torch.ops.fusedamp.sgd_(
         params, grads, momentum_buffers, masters, steps, lr_value, lr_tensor, momentum,
         dampening, weight_decay, nesterov, maximize, inv_grad_scale, found_inf, clip_coef,
-        write_unscaled_grads,
+        write_unscaled_grads, momentum_buffer_scales, rounding_ids, rounding_seed,
     )
+
+
+def encode_state(values: Tensor, is_signed: bool) -> tuple[Tensor, Tensor]:
+    """The 8-bit block codes of a float32 state (csrc/include/fusedamp/math/codec.h): uint8 codes
+    in ``values``' memory format and one float32 scale per 256 elements of storage order. CPU.
+
+    >>> codes, scales = encode_state(torch.tensor([0.5, -0.25]), True)
+    >>> decode_state(codes, scales, True)
+    tensor([ 0.5000, -0.2500])
+    """
+    return torch.ops.fusedamp.encode_state(values, is_signed)
+
+
+def decode_state(codes: Tensor, scales: Tensor, is_signed: bool) -> Tensor:
+    """The float32 values of block codes made by :func:`encode_state` (or an optimizer step). CPU."""
+    return torch.ops.fusedamp.decode_state(codes, scales, is_signed)
 
 
 def _split_lr(lr: float | Tensor) -> tuple[float, Tensor | None]:
@@ -199,6 +232,17 @@ def _in_place_fake(name: str) -> Callable[..., None]:
 # In-place ops return nothing: their fake kernels only check the devices.
 for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"):
     torch.library.register_fake(f"fusedamp::{_name}")(_in_place_fake(_name))
+
+
+@torch.library.register_fake("fusedamp::encode_state")
+def _encode_state_fake(values: Tensor, is_signed: bool) -> tuple[Tensor, Tensor]:
+    blocks = (values.numel() + 255) // 256
+    return torch.empty_like(values, dtype=torch.uint8), values.new_empty((blocks,), dtype=torch.float32)
+
+
+@torch.library.register_fake("fusedamp::decode_state")
+def _decode_state_fake(codes: Tensor, scales: Tensor, is_signed: bool) -> Tensor:
+    return torch.empty_like(codes, dtype=torch.float32)
 
 
 @torch.library.register_fake("fusedamp::split_bf16_remainder")

@@ -709,6 +709,8 @@ class OptimizerSample:
     amp: dict[str, float] = field(default_factory=dict)  # inv_grad_scale, found_inf, clip_coef
     maximize: bool = False
     write_unscaled_grads: bool = True
+    moments: str = "fp32"  # the state codec: fp32, bf16 or int8 ([note: state codecs])
+    stochastic: bool = False  # half params without masters, rounded stochastically
 
     def tensors(self, states: int) -> dict[str, list[Tensor]]:
         generator = _generator(self.seed)
@@ -749,7 +751,35 @@ class OptimizerSample:
         if self.lr_tensor is not None:
             named.update(lr=0.0, lr_tensor=_scalar(self.lr, "cpu" if self.lr_tensor == "cpu" else device))
         named["write_unscaled_grads"] = self.write_unscaled_grads
+        if self.stochastic:
+            named.update(rounding_ids=[3 * index + 1 for index in range(len(self.sizes))], rounding_seed=5)
         return named
+
+    def coded(self, states: list[Tensor], signed: bool) -> tuple[list[Tensor], list[Tensor] | None]:
+        """``states`` (fp32) stored under this sample's codec: (states, scales or None)."""
+        if self.moments == "bf16":
+            return [state.to(torch.bfloat16) for state in states], None
+        if self.moments == "int8":
+            pairs = [torch.ops.fusedamp.encode_state(state, signed) for state in states]
+            return [codes for codes, _ in pairs], [scales for _, scales in pairs]
+        return states, None
+
+
+def _state_values(states: list[Tensor], scales: list[Tensor] | None, signed: bool) -> list[Tensor]:
+    """The fp32 values of coded states (as they are when stored as fp32)."""
+    if scales is None or not states or states[0].dtype != torch.uint8:
+        return list(states)
+    return [
+        torch.ops.fusedamp.decode_state(c.cpu(), s.cpu(), signed) for c, s in zip(states, scales, strict=True)
+    ]
+
+
+def _observed_states(states: list[Tensor], scales: list[Tensor] | None, signed: bool) -> list[Tensor]:
+    """States as the op table compares them: fp32 and bf16 as they are; 8-bit codes decoded, as
+    float64, the dtype their tolerance (a unit of the codes' 3 mantissa bits) is listed under."""
+    if scales is None or not states or states[0].dtype != torch.uint8:
+        return list(states)
+    return [value.double() for value in _state_values(states, scales, signed)]
 
 
 def _optimizer_cases(dtype: torch.dtype) -> dict[str, OptimizerSample]:
@@ -775,8 +805,13 @@ def _optimizer_cases(dtype: torch.dtype) -> dict[str, OptimizerSample]:
         "found_inf_skips": OptimizerSample([7, 65], dtype, 6, amp={**amp, "found_inf": 1.0}),
         "nan_found_inf_skips": OptimizerSample([9], dtype, 7, amp={"found_inf": math.nan}),
     }
+    cases["int8_moments"] = OptimizerSample([1, 257, 65537], dtype, 10, amp=amp, moments="int8")
+    cases["bf16_moments"] = OptimizerSample([7, 300], dtype, 11, moments="bf16")
     if dtype != torch.float32:
         cases["no_masters"] = OptimizerSample([7, 129], dtype, 8, master=None, amp=amp)
+        cases["stochastic_params"] = OptimizerSample(
+            [5, 70001], dtype, 12, master=None, amp=amp, moments="int8", stochastic=True
+        )
     if dtype == torch.bfloat16:
         cases["remainder_masters"] = OptimizerSample([1, 7, 65537], dtype, 9, master="remainder", amp=amp)
     return cases
@@ -785,6 +820,7 @@ def _optimizer_cases(dtype: torch.dtype) -> dict[str, OptimizerSample]:
 # lr 1 with small betas and a large eps (in host_lr_tensor) makes every term of the update count.
 _ADAMW_OPTIONS = {
     "odd_sizes": {"amsgrad": True},
+    "int8_moments": {"amsgrad": True},
     "remainder_masters": {"amsgrad": True},
     "host_lr_tensor": {"beta1": 0.1, "beta2": 0.25, "eps": 0.05},
 }
@@ -797,15 +833,22 @@ def _adamw_samples(device: str, dtype: torch.dtype) -> list[Sample]:
         options.update(_ADAMW_OPTIONS.get(name, {}))
         tensors = to_device(tuple(case.tensors(states=3).values()), device)
         params, grads, masters, (exp_avgs, exp_avg_sqs, max_exp_avg_sqs), steps = tensors
+        exp_avgs, exp_avg_scales = case.coded(exp_avgs, True)
+        exp_avg_sqs, exp_avg_sq_scales = case.coded(exp_avg_sqs, False)
+        max_exp_avg_sqs, max_exp_avg_sq_scales = case.coded(max_exp_avg_sqs, False)
+        amsgrad = options["amsgrad"]
         args = schema_args(
             "adamw_",
             params=params,
             grads=grads,
             exp_avgs=exp_avgs,
             exp_avg_sqs=exp_avg_sqs,
-            max_exp_avg_sqs=max_exp_avg_sqs if options["amsgrad"] else [],
+            max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else [],
             masters=masters,
             steps=steps,
+            exp_avg_scales=exp_avg_scales,
+            exp_avg_sq_scales=exp_avg_sq_scales,
+            max_exp_avg_sq_scales=max_exp_avg_sq_scales if amsgrad else None,
             **case.scalars(device),
             **options,
         )
@@ -873,7 +916,12 @@ def _optimizer_outputs(
 
 def _adamw_observe(args: Args, returned: Any) -> Outputs:
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps = args[:7]
-    states = {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "max_exp_avg_sqs": max_exp_avg_sqs}
+    m_scales, v_scales, max_scales = args[19:22]
+    states = {
+        "exp_avgs": _observed_states(exp_avgs, m_scales, True),
+        "exp_avg_sqs": _observed_states(exp_avg_sqs, v_scales, False),
+        "max_exp_avg_sqs": _observed_states(max_exp_avg_sqs, max_scales, False),
+    }
     return _optimizer_outputs(params, grads, states, masters, steps)
 
 
@@ -897,8 +945,17 @@ def _adamw_reference(
     found_inf: Tensor | None,
     clip_coef: Tensor | None,
     write_unscaled_grads: bool,
+    exp_avg_scales: list[Tensor] | None = None,
+    exp_avg_sq_scales: list[Tensor] | None = None,
+    max_exp_avg_sq_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
 ) -> Outputs:
-    """torch.optim.AdamW's update in float64, on the fp32 master where there is one."""
+    """torch.optim.AdamW's update in float64, on the fp32 master where there is one, from the
+    decoded states (the exact value: stochastic rounding lands within one ulp of it)."""
+    exp_avgs = _state_values(exp_avgs, exp_avg_scales, True)
+    exp_avg_sqs = _state_values(exp_avg_sqs, exp_avg_sq_scales, False)
+    max_exp_avg_sqs = _state_values(max_exp_avg_sqs, max_exp_avg_sq_scales, False)
     step_inputs = _StepInputs.of(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads)
     lr = step_inputs.lr
     result: Outputs = {
@@ -936,7 +993,15 @@ def _adamw_reference(
 
 
 FP32_STATE = Tol(1e-5, 1e-7)
+# bf16 states: one rounding to nearest; 8-bit codes (observed as float64): half a unit of 3
+# mantissa bits, and values below a block's 16 binades flushed (atol, for these samples' scales).
+CODED_STATE = {torch.bfloat16: Tol(2.0**-8, 1e-9), torch.float64: Tol(2.0**-4, 3e-5)}
 OPTIMIZER_PARAMS = {torch.float32: FP32_STATE, **ONE_ULP}
+
+
+def _uint8_codes(key: str) -> Callable[[dict[str, Any]], list[Tensor]]:
+    """A bad-input change: the state list ``key`` replaced by uint8 codes (without their scales)."""
+    return lambda named: [torch.zeros(4, dtype=torch.uint8) for _ in named[key]]
 
 
 def _optimizer_bad_inputs(op: str) -> list[BadInput]:
@@ -1077,6 +1142,22 @@ def _optimizer_bad_inputs(op: str) -> list[BadInput]:
             "steps[1] must hold exactly one element, got shape [2]",
             steps=last("steps", lambda n: torch.ones(2)),
         ),
+        bad(
+            "codes_without_scales",
+            RuntimeError,
+            f"{state.removesuffix('s')}_scales has 0 tensors but params has 2; uint8 states need one "
+            "scale tensor per param",
+            **{
+                key: _uint8_codes(key)
+                for key in (("exp_avgs", "exp_avg_sqs") if op == "adamw_" else (state,))
+            },
+        ),
+        bad(
+            "rounding_ids_of_fp32_params",
+            TypeError,
+            "stochastic rounding (rounding_ids) is for float16 / bfloat16 params without master weights",
+            rounding_ids=[0, 1],
+        ),
         bad("nan_lr", ValueError, "lr is nan; it must be a finite number", lr=math.nan),
         bad("inf_lr", ValueError, "lr is inf; it must be a finite number", lr=math.inf),
         bad(
@@ -1185,13 +1266,24 @@ ADAMW = OpEntry(
     dtypes=FLOAT_DTYPES,
     samples=_adamw_samples,
     reference=_adamw_reference,
-    mutates=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters", "steps"),
+    mutates=(
+        "params",
+        "grads",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "max_exp_avg_sqs",
+        "masters",
+        "steps",
+        "exp_avg_scales",
+        "exp_avg_sq_scales",
+        "max_exp_avg_sq_scales",
+    ),
     tolerances={
         "params": OPTIMIZER_PARAMS,
         "grads": EXACT,
-        "exp_avgs": FP32_STATE,
-        "exp_avg_sqs": Tol(1e-5, 1e-9),
-        "max_exp_avg_sqs": Tol(1e-5, 1e-9),
+        "exp_avgs": {torch.float32: FP32_STATE, **CODED_STATE},
+        "exp_avg_sqs": {torch.float32: Tol(1e-5, 1e-9), **CODED_STATE},
+        "max_exp_avg_sqs": {torch.float32: Tol(1e-5, 1e-9), **CODED_STATE},
         "masters": FP32_STATE,
         "steps": EXACT,
     },
@@ -1200,7 +1292,8 @@ ADAMW = OpEntry(
     observe=_adamw_observe,
     invariants=_masters_rounded(5),
     notes="steps hold the count before the step (fp32 scalars), incremented unless found_inf skips; "
-    "masters are none, fp32, or int16 remainders of bf16 params (compared as the fp32 they encode).",
+    "masters are none, fp32, or int16 remainders of bf16 params (compared as the fp32 they encode); "
+    "moments fp32, bf16 or 8-bit codes with scales (compared decoded); stochastic rounding_ids.",
 )
 
 
@@ -1216,13 +1309,16 @@ def _sgd_samples(device: str, dtype: torch.dtype) -> list[Sample]:
         options = {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01, "nesterov": False}
         options.update(variants.get(name, {}))
         params, grads, masters, (buffers,), steps = to_device(tuple(case.tensors(states=1).values()), device)
+        buffers, buffer_scales = case.coded(buffers, True)
+        has_momentum = options["momentum"] != 0.0
         args = schema_args(
             "sgd_",
             params=params,
             grads=grads,
-            momentum_buffers=buffers if options["momentum"] != 0.0 else [],
+            momentum_buffers=buffers if has_momentum else [],
             masters=masters,
             steps=steps,
+            momentum_buffer_scales=buffer_scales if has_momentum else None,
             **case.scalars(device),
             **options,
         )
@@ -1232,7 +1328,8 @@ def _sgd_samples(device: str, dtype: torch.dtype) -> list[Sample]:
 
 def _sgd_observe(args: Args, returned: Any) -> Outputs:
     params, grads, momentum_buffers, masters, steps = args[:5]
-    return _optimizer_outputs(params, grads, {"momentum_buffers": momentum_buffers}, masters, steps)
+    buffers = _observed_states(momentum_buffers, args[16], True)
+    return _optimizer_outputs(params, grads, {"momentum_buffers": buffers}, masters, steps)
 
 
 def _sgd_reference(
@@ -1252,9 +1349,13 @@ def _sgd_reference(
     found_inf: Tensor | None,
     clip_coef: Tensor | None,
     write_unscaled_grads: bool,
+    momentum_buffer_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
 ) -> Outputs:
-    """torch.optim.SGD's update in float64; a param whose count is 0 takes its first step (the
-    buffer becomes the grad)."""
+    """torch.optim.SGD's update in float64 from the decoded buffers; a param whose count is 0
+    takes its first step (the buffer becomes the grad)."""
+    momentum_buffers = _state_values(momentum_buffers, momentum_buffer_scales, True)
     step_inputs = _StepInputs.of(lr, lr_tensor, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads)
     result: Outputs = {name: [] for name in ("params", "grads", "momentum_buffers", "masters", "steps")}
     for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
@@ -1287,11 +1388,11 @@ SGD = OpEntry(
     dtypes=FLOAT_DTYPES,
     samples=_sgd_samples,
     reference=_sgd_reference,
-    mutates=("params", "grads", "momentum_buffers", "masters", "steps"),
+    mutates=("params", "grads", "momentum_buffers", "masters", "steps", "momentum_buffer_scales"),
     tolerances={
         "params": OPTIMIZER_PARAMS,
         "grads": EXACT,
-        "momentum_buffers": FP32_STATE,
+        "momentum_buffers": {torch.float32: FP32_STATE, **CODED_STATE},
         "masters": FP32_STATE,
         "steps": EXACT,
     },
@@ -1299,7 +1400,7 @@ SGD = OpEntry(
     uses_cpu_isa=True,
     observe=_sgd_observe,
     invariants=_masters_rounded(3),
-    notes="momentum_buffers empty when momentum is 0; otherwise as adamw_.",
+    notes="momentum_buffers empty when momentum is 0 (fp32, bf16 or 8-bit codes); otherwise as adamw_.",
 )
 
 
@@ -1766,7 +1867,188 @@ GRAD_STATS = OpEntry(
 )
 
 
+# --- encode_state and decode_state (CPU only) -----------------------------------------------------
+
+
+def _storage_order(tensor: Tensor) -> Tensor:
+    """The elements of a dense tensor in the order of its storage, as a 1-D tensor."""
+    dims = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return tensor.permute(*dims).reshape(-1)
+
+
+def _code_bits(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """[note: block codes] on int64 bit patterns, in storage order: (uint8 codes, scale bits)."""
+    flat = _storage_order(values)
+    bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    magnitude = bits & 0x7FFFFFFF
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    blocks = (flat.numel() + 255) // 256
+    finite = torch.where(magnitude < 0x7F800000, magnitude, 0)
+    padded = torch.zeros(blocks * 256, dtype=torch.int64)
+    padded[: flat.numel()] = finite
+    block_max = padded.view(blocks, 256).amax(1) if blocks else padded
+    top = ((block_max + 0x7FFFF + ((block_max >> 20) & 1)) >> 23).clamp(max=254)
+    top_exponent = 15 if signed else 31
+    per_element = top.repeat_interleave(256)[: flat.numel()]
+    code = ((rounded >> 20) - (per_element - top_exponent) * 8).clamp(max=0x7F if signed else 0xFF)
+    representable = (code >= 8) & (magnitude >= 0x00800000) & (per_element != 0)
+    flushed = torch.zeros_like(code) if signed else (magnitude != 0).to(torch.int64) * 8
+    result = torch.where(representable, code, flushed)
+    special = torch.where(magnitude == 0x7F800000, 2, 1)
+    result = torch.where(magnitude >= 0x7F800000, special, result)
+    if signed:
+        result = result | ((bits >> 24) & 0x80)
+    scale_bits = torch.where(top != 0, top << 23, 0)
+    return result.to(torch.uint8), scale_bits.to(torch.int32)
+
+
+def _encode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    generator = _generator(23)
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 3.0e38, 1e-40, 1e-30, -2.5, 7.0])
+    wide = torch.randn(1027, generator=generator) * 10 ** torch.randint(-8, 3, (1027,), generator=generator)
+    samples = []
+    for signed in (True, False):
+        values = {
+            "wide_range_1027": wide if signed else wide.square(),
+            "special_values": special,
+            "channels_last": _randn((2, 3, 9, 11), torch.float32, generator).to(
+                memory_format=torch.channels_last
+            ),
+            "empty": _randn((0, 3), torch.float32, generator),
+        }
+        kind = "signed" if signed else "unsigned"
+        samples += [Sample(f"{kind}_{name}", (value, signed)) for name, value in values.items()]
+    return samples
+
+
+def _encode_reference(values: Tensor, is_signed: bool) -> Outputs:
+    codes, scale_bits = _code_bits(values, is_signed)
+    return {"codes": [codes], "scales": [scale_bits.view(torch.float32)]}
+
+
+def _encode_observe(args: Args, returned: tuple[Tensor, Tensor]) -> Outputs:
+    codes, scales = returned
+    _same_layout([codes], args[0])
+    return {"codes": [_storage_order(codes)], "scales": [scales]}
+
+
+ENCODE = OpEntry(
+    name="encode_state",
+    dtypes=(torch.float32,),
+    samples=_encode_samples,
+    reference=_encode_reference,
+    mutates=(),
+    tolerances={"codes": EXACT, "scales": EXACT},
+    bad_inputs=(
+        BadInput(
+            "float16_values",
+            lambda: (torch.randn(3).half(), True),
+            TypeError,
+            "encode_state: values must be float32, got Half",
+        ),
+        BadInput(
+            "cuda_values",
+            lambda: (torch.randn(3, device="cuda"), True),
+            NotImplementedError,
+            "Could not run 'fusedamp::encode_state' with arguments from the 'CUDA' backend",
+            device="cuda",
+        ),
+    ),
+    devices=("cpu",),
+    returns=("codes", "scales"),
+    observe=_encode_observe,
+    notes="CPU only (the optimizers use it to import and export states). The codes are defined on "
+    "bits: the reference is integer arithmetic, compared bit for bit (tests/test_codec.py checks "
+    "what they decode to against a float64 reading of the definition).",
+)
+
+
+def _decode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    generator = _generator(24)
+    every_code = torch.arange(256, dtype=torch.uint8).repeat(3)
+    scales = torch.tensor([2.0**-20, 1.0, 0.0])
+    random_codes = torch.randint(0, 256, (3, 5, 7), generator=generator, dtype=torch.uint8)
+    random_scales = 2.0 ** torch.randint(-60, 60, (1,), generator=generator).float()
+    samples = []
+    for signed in (True, False):
+        kind = "signed" if signed else "unsigned"
+        samples += [
+            Sample(f"{kind}_every_code", (every_code, scales, signed)),
+            Sample(
+                f"{kind}_channels_last",
+                (
+                    random_codes.unsqueeze(0).to(memory_format=torch.channels_last).squeeze(0).contiguous(),
+                    random_scales,
+                    signed,
+                ),
+            ),
+            Sample(f"{kind}_empty", (torch.zeros(0, dtype=torch.uint8), torch.zeros(0), signed)),
+        ]
+    return samples
+
+
+def _decode_reference(codes: Tensor, scales: Tensor, is_signed: bool) -> Outputs:
+    """The definition in float64: 2^(E - top) * (1 + M / 8) * scale; E = 0: zero, NaN, inf."""
+    flat = _storage_order(codes).to(torch.int64)
+    magnitude = flat & (0x7F if is_signed else 0xFF)
+    exponent, mantissa = magnitude >> 3, (magnitude & 7).double()
+    scale = scales.double().repeat_interleave(256)[: flat.numel()]
+    values = 2.0 ** (exponent.double() - (15 if is_signed else 31)) * (1 + mantissa / 8) * scale
+    special = torch.where(magnitude == 0, 0.0, torch.where(magnitude == 1, math.nan, math.inf)).double()
+    values = torch.where(exponent >= 1, values, special)
+    if is_signed:
+        values = torch.where(flat >= 0x80, -values, values)
+    return {"values": [values.float().view(codes.shape) if codes.is_contiguous() else values.float()]}
+
+
+DECODE = OpEntry(
+    name="decode_state",
+    dtypes=(torch.uint8,),
+    samples=_decode_samples,
+    reference=_decode_reference,
+    mutates=(),
+    tolerances={"values": EXACT},
+    bad_inputs=(
+        BadInput(
+            "int8_codes",
+            lambda: (torch.zeros(3, dtype=torch.int8), torch.ones(1), True),
+            TypeError,
+            "decode_state: codes must be uint8 and scales float32, got Char and Float",
+        ),
+        BadInput(
+            "short_scales",
+            lambda: (torch.zeros(300, dtype=torch.uint8), torch.ones(1), True),
+            RuntimeError,
+            "decode_state: scales must be a contiguous tensor of one scale per 256 codes (2), got 1",
+        ),
+        BadInput(
+            "cuda_codes",
+            lambda: (torch.zeros(3, dtype=torch.uint8, device="cuda"), torch.ones(1, device="cuda"), True),
+            NotImplementedError,
+            "Could not run 'fusedamp::decode_state' with arguments from the 'CUDA' backend",
+            device="cuda",
+        ),
+    ),
+    devices=("cpu",),
+    returns=("values",),
+    notes="CPU only; the float64 reading of [note: block codes], compared exactly (every value is an "
+    "fp32 number).",
+)
+
+
 OP_TABLE: dict[str, OpEntry] = {
     entry.name: entry
-    for entry in (UNSCALE, CHECK_AND_NORM, UPDATE_SCALE, ADAMW, SGD, SPLIT, JOIN, GEMM, GRAD_STATS)
+    for entry in (
+        UNSCALE,
+        CHECK_AND_NORM,
+        UPDATE_SCALE,
+        ADAMW,
+        SGD,
+        SPLIT,
+        JOIN,
+        GEMM,
+        GRAD_STATS,
+        ENCODE,
+        DECODE,
+    )
 }

@@ -180,7 +180,7 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
                     lists.device);
     for (const StateList& state : states) {
       if (!state.tensors.empty()) {
-        check_companion(state.tensors[i], {op, state.name, index}, at::kFloat, param, param_name,
+        check_companion(state.tensors[i], {op, state.name, index}, state.dtype, param, param_name,
                         lists.device);
       }
     }
@@ -196,6 +196,72 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
   for (const StateList& state : states) updated.push_back({state.tensors, state.name});
   check_no_shared_memory(op, updated);
   return lists;
+}
+
+StateCodec state_codec_of(const char* op, at::TensorList states, const char* name) {
+  if (states.empty()) return StateCodec::kFloat32;
+  switch (states[0].scalar_type()) {
+    case at::kFloat: return StateCodec::kFloat32;
+    case at::kBFloat16: return StateCodec::kBFloat16;
+    case at::kByte: return StateCodec::kInt8;
+    default: break;
+  }
+  TORCH_CHECK_TYPE(false, "fusedamp: ", op, ": ", name, "[0] is ", states[0].scalar_type(),
+                   "; optimizer states are float32, bfloat16 or uint8 block codes (with scales)");
+  return StateCodec::kFloat32;
+}
+
+at::ScalarType codec_dtype(StateCodec codec) {
+  switch (codec) {
+    case StateCodec::kBFloat16: return at::kBFloat16;
+    case StateCodec::kInt8: return at::kByte;
+    default: return at::kFloat;
+  }
+}
+
+void check_state_scales(const char* op, StateCodec codec, at::TensorList params,
+                        const std::vector<StateList>& states, const std::vector<StateList>& scales,
+                        const std::vector<NamedTensors>& others) {
+  std::vector<NamedTensors> all = others;
+  for (size_t k = 0; k < scales.size(); ++k) {
+    const StateList& list = scales[k];
+    const bool used = codec == StateCodec::kInt8 && !states[k].tensors.empty();
+    if (!used) {
+      TORCH_CHECK(list.tensors.empty(), "fusedamp: ", op, ": ", list.name, " given, but ",
+                  states[k].name, codec == StateCodec::kInt8 ? " is empty" : " are not uint8 codes",
+                  "; scales go with uint8 states only");
+      continue;
+    }
+    TORCH_CHECK(list.tensors.size() == params.size(), "fusedamp: ", op, ": ", list.name, " has ",
+                list.tensors.size(), " tensors but params has ", params.size(),
+                "; uint8 states need one scale tensor per param");
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& scale = list.tensors[i];
+      const ArgName name{op, list.name, int64_t(i)};
+      TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "fusedamp: ", name, " is ",
+                       scale.scalar_type(), ", expected float32");
+      TORCH_CHECK(scale.device() == params[i].device(), "fusedamp: ", name, " is on ",
+                  scale.device(), ", expected ", params[i].device());
+      const int64_t blocks = codec_blocks(params[i].numel());
+      TORCH_CHECK(scale.is_contiguous() && scale.numel() == blocks, "fusedamp: ", name,
+                  " must be a contiguous tensor of ", blocks, " scales (one per ", kCodecBlock,
+                  " elements of params[", i, "]), got shape ", scale.sizes());
+    }
+    all.push_back({list.tensors, list.name});
+  }
+  for (const StateList& state : states) all.push_back({state.tensors, state.name});
+  check_no_shared_memory(op, all);
+}
+
+bool check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
+                        const std::vector<int64_t>& rounding_ids) {
+  if (rounding_ids.empty()) return false;
+  TORCH_CHECK(rounding_ids.size() == count, "fusedamp: ", op, ": rounding_ids has ",
+              rounding_ids.size(), " ids but params has ", count, "; pass one per param or none");
+  TORCH_CHECK_TYPE(lists.param_dtype != DType::kFloat32 && lists.master_kind == MasterKind::kNone,
+                   "fusedamp: ", op, ": stochastic rounding (rounding_ids) is for float16 / bfloat16 "
+                   "params without master weights; pass an empty masters list and half params");
+  return true;
 }
 
 StepInputs check_step_inputs(const char* op, const at::Device& device, double lr,

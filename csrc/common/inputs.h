@@ -8,6 +8,7 @@
 #include <ostream>
 #include <vector>
 
+#include "fusedamp/math/codec.h"
 #include "fusedamp/math/dtypes.h"
 #include "fusedamp/math/master.h"
 #include "fusedamp/step_inputs.h"
@@ -63,6 +64,7 @@ struct StateList {
   at::TensorList tensors;
   const char* name;
   bool required;
+  at::ScalarType dtype = at::kFloat;  // the element type of the call's state codec
 };
 
 // The list rules of every optimizer op: one param dtype, grads of one dtype, fp32 states, masters
@@ -75,6 +77,23 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
 // Whether an optimizer step writes its grads back (unscaled or clipped): StepInputs::write_grad.
 bool step_writes_grads(bool write_unscaled_grads, const c10::optional<at::Tensor>& inv_grad_scale,
                        const c10::optional<at::Tensor>& clip_coef);
+
+// [note: state codecs] The codec of an optimizer call's states, from the first state tensor's
+// dtype (float32, bfloat16, uint8 block codes); float32 when there is none.
+StateCodec state_codec_of(const char* op, at::TensorList states, const char* name);
+at::ScalarType codec_dtype(StateCodec codec);
+
+// The scale lists of uint8 states (states[k] goes with scales[k]): one contiguous float32 tensor
+// of codec_blocks(numel) per param wherever its state list is used, none for other codecs; and no
+// tensor of the call (params, grads, masters, steps, states, scales) shares memory with another.
+void check_state_scales(const char* op, StateCodec codec, at::TensorList params,
+                        const std::vector<StateList>& states, const std::vector<StateList>& scales,
+                        const std::vector<NamedTensors>& others);
+
+// The stochastic-rounding ids of a call (empty: round to nearest): one per param, only for fp16 /
+// bf16 params without masters. Returns whether the call rounds stochastically.
+bool check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
+                        const std::vector<int64_t>& rounding_ids);
 
 // Checks the step scalars of an optimizer op on `device` (a CPU lr_tensor is read on the host and
 // may drive a step on any device) and returns them as the kernels read them.

@@ -3,7 +3,10 @@
 // Included by csrc/cpu/kernels/*.cpp only, after their ISA preamble.
 #pragma once
 
+#include "fusedamp/dispatch.h"
+#include "fusedamp/math/codec.h"
 #include "fusedamp/math/master.h"
+#include "fusedamp/math/stochastic.h"
 
 // FUSEDAMP_F16C_LANES (8 or 16, set by the AVX2 / AVX-512 builds on x86-64): convert fp16 with
 // the hardware instructions instead of the bit-level code of math/dtypes.h.
@@ -393,6 +396,132 @@ template <DType P, DType G, MasterKind M, typename Pointers>
   if constexpr (G != staged<G>) {
     if (write_grad) float_tile_to_half<G>(grad_tile, static_cast<uint16_t*>(t.grad) + offset, n);
   }
+}
+
+}  // namespace FUSEDAMP_ISA
+}  // namespace fusedamp::cpu
+
+// [note: block staging] The optimizer modes with coded states (bf16 or 8-bit moments,
+// math/codec.h) or stochastically rounded params run a chunk one codec block (kCodecBlock
+// elements) at a time: each state, param and grad of the block is staged into an fp32 tile here,
+// the optimizer's math runs on the tiles as fp32, and the tiles are stored back through the
+// same codecs. The codec is a parameter of these helpers, so every optimizer gets every codec
+// at once, and a block's scale is computed from the whole block after its update.
+namespace fusedamp::cpu {
+inline namespace FUSEDAMP_ISA {
+
+// A state's values of one block as fp32: the state itself when it is fp32, else `tile` decoded.
+template <StateCodec C, bool kSigned>
+[[gnu::always_inline]] inline float* stage_state_block(void* state, const float* scales, int64_t begin,
+                                                       int64_t n, float* tile) {
+  if constexpr (C == StateCodec::kFloat32) {
+    return static_cast<float*>(state) + begin;
+  } else if constexpr (C == StateCodec::kBFloat16) {
+    bf16_tile_to_float(static_cast<const uint16_t*>(state) + begin, tile, n);
+  } else {
+    decode_block<kSigned>(static_cast<const uint8_t*>(state) + begin, scales[begin / kCodecBlock], n, tile);
+  }
+  return tile;
+}
+
+// Stores a staged state block back (nothing to do for fp32, updated in place).
+template <StateCodec C, bool kSigned>
+[[gnu::always_inline]] inline void unstage_state_block(void* state, float* scales, int64_t begin,
+                                                       int64_t n, const float* tile) {
+  if constexpr (C == StateCodec::kBFloat16) {
+    float_tile_to_bf16(tile, static_cast<uint16_t*>(state) + begin, n, false);
+  } else if constexpr (C == StateCodec::kInt8) {
+    encode_block<kSigned>(tile, n, static_cast<uint8_t*>(state) + begin, scales + begin / kCodecBlock);
+  }
+}
+
+// fp32 values to fp16/bf16 params, rounded stochastically with the bits of elements
+// [first_element, first_element + n) under `key` (math/stochastic.h).
+template <DType P>
+[[gnu::always_inline]] inline void float_tile_to_half_stochastic(const float* src, uint16_t* dst, int64_t n,
+                                                                 uint32_t key, int64_t first_element) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    dst[i] = float_to_half_stochastic<P>(src[i], rounding_bits(key, first_element + i));
+  }
+}
+
+// The fp32 value an optimizer updates for one block of a param: the param itself (fp32), its fp32
+// master, or `tile` (a half param, joined with its remainder when it has one).
+template <DType P, MasterKind M>
+[[gnu::always_inline]] inline float* stage_value_block(void* param, void* master, int64_t begin,
+                                                       int64_t n, float* tile) {
+  if constexpr (P == DType::kFloat32) {
+    return static_cast<float*>(param) + begin;
+  } else if constexpr (M == MasterKind::kFloat32) {
+    return static_cast<float*>(master) + begin;
+  } else if constexpr (M == MasterKind::kRemainder) {
+    remainder_tile_to_float(static_cast<const uint16_t*>(param) + begin,
+                            static_cast<const int16_t*>(master) + begin, tile, n);
+  } else {
+    half_tile_to_float<P>(static_cast<const uint16_t*>(param) + begin, tile, n);
+  }
+  return tile;
+}
+
+// Writes a block's updated value back: nothing for fp32 params; the half param rounded from its
+// fp32 master (non-temporal when `stream`), split with its remainder, or rounded to nearest or
+// stochastically (rounding_key set) when it has no master.
+template <DType P, MasterKind M>
+[[gnu::always_inline]] inline void unstage_value_block(void* param, void* master, int64_t begin,
+                                                       int64_t n, const float* value, bool stochastic,
+                                                       uint32_t rounding_key, bool stream) {
+  if constexpr (P != DType::kFloat32) {
+    uint16_t* half = static_cast<uint16_t*>(param) + begin;
+    if constexpr (M == MasterKind::kRemainder) {
+      float_tile_to_remainder(value, half, static_cast<int16_t*>(master) + begin, n);
+    } else if constexpr (M == MasterKind::kFloat32) {
+      float_tile_to_half<P>(value, half, n, stream);
+    } else if (stochastic) {
+      float_tile_to_half_stochastic<P>(value, half, n, rounding_key, begin);
+    } else {
+      float_tile_to_half<P>(value, half, n);
+    }
+  }
+}
+
+// A block of grads as fp32: the grads themselves (fp32) or `tile`; written back by
+// unstage_grad_block when the step writes the grads it used.
+template <DType G>
+[[gnu::always_inline]] inline float* stage_grad_block(void* grad, int64_t begin, int64_t n, float* tile) {
+  if constexpr (G == DType::kFloat32) {
+    return static_cast<float*>(grad) + begin;
+  } else {
+    half_tile_to_float<G>(static_cast<const uint16_t*>(grad) + begin, tile, n);
+    return tile;
+  }
+}
+
+template <DType G>
+[[gnu::always_inline]] inline void unstage_grad_block(void* grad, int64_t begin, int64_t n, const float* tile,
+                                                      bool write_grad) {
+  if constexpr (G != DType::kFloat32) {
+    if (write_grad) float_tile_to_half<G>(tile, static_cast<uint16_t*>(grad) + begin, n);
+  }
+}
+
+// Calls block(begin, n) for the codec blocks of [begin, end) (begin a multiple of kCodecBlock).
+template <typename Block>
+[[gnu::always_inline]] inline void for_each_codec_block(int64_t begin, int64_t end, Block&& block) {
+  for (int64_t first = begin; first < end; first += kCodecBlock) {
+    block(first, end - first < kCodecBlock ? end - first : kCodecBlock);
+  }
+}
+
+// Calls fn(codec tag) for a call's state codec.
+template <typename Fn>
+inline void with_state_codec(StateCodec codec, Fn&& fn) {
+  switch (codec) {
+    case StateCodec::kFloat32: fn(std::integral_constant<StateCodec, StateCodec::kFloat32>{}); return;
+    case StateCodec::kBFloat16: fn(std::integral_constant<StateCodec, StateCodec::kBFloat16>{}); return;
+    case StateCodec::kInt8: fn(std::integral_constant<StateCodec, StateCodec::kInt8>{}); return;
+  }
+  fail_no_kernel("state codec", int32_t(codec));
 }
 
 }  // namespace FUSEDAMP_ISA

@@ -14,13 +14,34 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
             double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
             bool maximize, const c10::optional<at::Tensor>& inv_grad_scale,
             const c10::optional<at::Tensor>& found_inf, const c10::optional<at::Tensor>& clip_coef,
-            bool write_unscaled_grads) {
+            bool write_unscaled_grads, const c10::optional<at::TensorList>& exp_avg_scales,
+            const c10::optional<at::TensorList>& exp_avg_sq_scales,
+            const c10::optional<at::TensorList>& max_exp_avg_sq_scales,
+            const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed) {
   const char* op = AdamWCall::kOp;
-  const OptimizerLists lists = check_optimizer_lists(
-      op, params, grads,
-      {{exp_avgs, "exp_avgs", true}, {exp_avg_sqs, "exp_avg_sqs", true},
-       {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad}},
-      masters, steps, step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef));
+  const StateCodec codec = state_codec_of(op, exp_avgs, "exp_avgs");
+  const at::ScalarType state_type = codec_dtype(codec);
+  const std::vector<StateList> states = {{exp_avgs, "exp_avgs", true, state_type},
+                                         {exp_avg_sqs, "exp_avg_sqs", true, state_type},
+                                         {max_exp_avg_sqs, "max_exp_avg_sqs", amsgrad, state_type}};
+  const bool grads_written = step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef);
+  const OptimizerLists lists =
+      check_optimizer_lists(op, params, grads, states, masters, steps, grads_written);
+  auto list_or_empty = [](const c10::optional<at::TensorList>& list) {
+    return list ? *list : at::TensorList();
+  };
+  const std::vector<StateList> scales = {
+      {list_or_empty(exp_avg_scales), "exp_avg_scales", true},
+      {list_or_empty(exp_avg_sq_scales), "exp_avg_sq_scales", true},
+      {list_or_empty(max_exp_avg_sq_scales), "max_exp_avg_sq_scales", amsgrad}};
+  if (codec == StateCodec::kInt8 || !scales[0].tensors.empty() || !scales[1].tensors.empty() ||
+      !scales[2].tensors.empty()) {
+    check_state_scales(op, codec, params, states, scales,
+                       {{params, "params"}, {grads, "grads", true, !grads_written}, {masters, "masters"},
+                        {steps, "steps"}});
+  }
+  const std::vector<int64_t> ids = rounding_ids ? rounding_ids->vec() : std::vector<int64_t>();
+  const bool stochastic = check_rounding_ids(op, lists, params.size(), ids);
   AdamWCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                  {beta1, beta2, eps, weight_decay, amsgrad, maximize},
                  check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,
@@ -39,6 +60,22 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
   call.lists.pointers[kAdamWExpAvgSq] = data_pointers(exp_avg_sqs, count);
   call.lists.pointers[kAdamWMaxExpAvgSq] = data_pointers(amsgrad ? max_exp_avg_sqs : at::TensorList(), count);
   call.lists.pointers[kAdamWStep] = data_pointers(steps, count);
+  call.state_codec = codec;
+  if (codec == StateCodec::kInt8) {
+    call.lists.pointers[kAdamWExpAvgScale] = data_pointers(scales[0].tensors, count);
+    call.lists.pointers[kAdamWExpAvgSqScale] = data_pointers(scales[1].tensors, count);
+    call.lists.pointers[kAdamWMaxExpAvgSqScale] =
+        data_pointers(amsgrad ? scales[2].tensors : at::TensorList(), count);
+  } else {
+    for (int list : {kAdamWExpAvgScale, kAdamWExpAvgSqScale, kAdamWMaxExpAvgSqScale}) {
+      call.lists.pointers[list] = data_pointers(at::TensorList(), count);
+    }
+  }
+  call.rounding = {stochastic, uint64_t(rounding_seed)};
+  call.lists.pointers[kAdamWRoundingId] = std::vector<void*>(count, nullptr);
+  for (size_t i = 0; stochastic && i < count; ++i) {
+    call.lists.pointers[kAdamWRoundingId][i] = rounding_id_as_pointer(ids[i]);
+  }
   run_kernel(call);
 }
 

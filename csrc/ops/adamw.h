@@ -5,12 +5,15 @@
 
 #include "common/tensor_lists.h"
 #include "fusedamp/math/adamw.h"
+#include "fusedamp/math/codec.h"
+#include "fusedamp/math/stochastic.h"
 #include "fusedamp/step_inputs.h"
 
 namespace fusedamp {
 
 enum AdamWList { kAdamWParam, kAdamWGrad, kAdamWMaster, kAdamWExpAvg, kAdamWExpAvgSq,
-                 kAdamWMaxExpAvgSq, kAdamWStep, kAdamWLists };
+                 kAdamWMaxExpAvgSq, kAdamWStep, kAdamWExpAvgScale, kAdamWExpAvgSqScale,
+                 kAdamWMaxExpAvgSqScale, kAdamWRoundingId, kAdamWLists };
 
 struct AdamWHyperparameters {
   double beta1, beta2, eps, weight_decay;
@@ -27,9 +30,13 @@ struct AdamWCall {
   DType param_dtype;
   DType grad_dtype;
   MasterKind master_kind;
-  TensorLists<kAdamWLists> lists;  // max_exp_avg_sqs null unless amsgrad, masters null without
+  // max_exp_avg_sqs null unless amsgrad, masters null without; the scales null unless the moments
+  // are 8-bit codes; kAdamWRoundingId holds values, not pointers ([note: rounding ids]).
+  TensorLists<kAdamWLists> lists;
   AdamWHyperparameters hyper;
   StepInputs inputs;
+  StateCodec state_codec = StateCodec::kFloat32;  // of every moment list ([note: state codecs])
+  StochasticRounding rounding;
 };
 
 }  // namespace fusedamp

@@ -14,11 +14,25 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
           double weight_decay, bool nesterov, bool maximize,
           const c10::optional<at::Tensor>& inv_grad_scale,
           const c10::optional<at::Tensor>& found_inf, const c10::optional<at::Tensor>& clip_coef,
-          bool write_unscaled_grads) {
+          bool write_unscaled_grads, const c10::optional<at::TensorList>& momentum_buffer_scales,
+          const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed) {
   const char* op = SgdCall::kOp;
-  const OptimizerLists lists = check_optimizer_lists(
-      op, params, grads, {{momentum_buffers, "momentum_buffers", momentum != 0.0}}, masters, steps,
-      step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef));
+  const StateCodec codec = state_codec_of(op, momentum_buffers, "momentum_buffers");
+  const std::vector<StateList> states = {
+      {momentum_buffers, "momentum_buffers", momentum != 0.0, codec_dtype(codec)}};
+  const bool grads_written = step_writes_grads(write_unscaled_grads, inv_grad_scale, clip_coef);
+  const OptimizerLists lists =
+      check_optimizer_lists(op, params, grads, states, masters, steps, grads_written);
+  const std::vector<StateList> scales = {
+      {momentum_buffer_scales ? *momentum_buffer_scales : at::TensorList(), "momentum_buffer_scales",
+       true}};
+  if (codec == StateCodec::kInt8 || !scales[0].tensors.empty()) {
+    check_state_scales(op, codec, params, states, scales,
+                       {{params, "params"}, {grads, "grads", true, !grads_written}, {masters, "masters"},
+                        {steps, "steps"}});
+  }
+  const std::vector<int64_t> ids = rounding_ids ? rounding_ids->vec() : std::vector<int64_t>();
+  const bool stochastic = check_rounding_ids(op, lists, params.size(), ids);
   SgdCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                {momentum, dampening, weight_decay, nesterov, maximize},
                check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,
@@ -36,6 +50,14 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
   call.lists.pointers[kSgdMomentumBuffer] =
       data_pointers(momentum != 0.0 ? momentum_buffers : at::TensorList(), count);
   call.lists.pointers[kSgdStep] = data_pointers(steps, count);
+  call.state_codec = codec;
+  call.lists.pointers[kSgdMomentumBufferScale] = data_pointers(
+      codec == StateCodec::kInt8 && momentum != 0.0 ? scales[0].tensors : at::TensorList(), count);
+  call.rounding = {stochastic, uint64_t(rounding_seed)};
+  call.lists.pointers[kSgdRoundingId] = std::vector<void*>(count, nullptr);
+  for (size_t i = 0; stochastic && i < count; ++i) {
+    call.lists.pointers[kSgdRoundingId][i] = rounding_id_as_pointer(ids[i]);
+  }
   run_kernel(call);
 }
 

@@ -4,12 +4,15 @@
 #include <c10/core/Device.h>
 
 #include "common/tensor_lists.h"
+#include "fusedamp/math/codec.h"
 #include "fusedamp/math/sgd.h"
+#include "fusedamp/math/stochastic.h"
 #include "fusedamp/step_inputs.h"
 
 namespace fusedamp {
 
-enum SgdList { kSgdParam, kSgdGrad, kSgdMaster, kSgdMomentumBuffer, kSgdStep, kSgdLists };
+enum SgdList { kSgdParam, kSgdGrad, kSgdMaster, kSgdMomentumBuffer, kSgdStep,
+               kSgdMomentumBufferScale, kSgdRoundingId, kSgdLists };
 
 struct SgdHyperparameters {
   double momentum, dampening, weight_decay;
@@ -26,9 +29,13 @@ struct SgdCall {
   DType param_dtype;
   DType grad_dtype;
   MasterKind master_kind;
-  TensorLists<kSgdLists> lists;  // momentum_buffers null when momentum is 0, masters null without
+  // momentum_buffers null when momentum is 0, masters null without, their scales null unless
+  // 8-bit codes; kSgdRoundingId holds values, not pointers ([note: rounding ids]).
+  TensorLists<kSgdLists> lists;
   SgdHyperparameters hyper;
   StepInputs inputs;
+  StateCodec state_codec = StateCodec::kFloat32;  // of the momentum buffers ([note: state codecs])
+  StochasticRounding rounding;
 };
 
 }  // namespace fusedamp

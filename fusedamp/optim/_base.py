@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fusedamp import _dtensor
 from fusedamp._layout import has_kernel, is_dense, like, real_view
+from fusedamp.optim import _codecs
 from fusedamp.optim._clipping import check_and_norm, clip_coefficient
 from fusedamp.optim._masters import (
     HALF_DTYPES,
@@ -135,11 +136,16 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         self._plan = None
         group = self.param_groups[-1]
         mode = group["master_weights"]
-        if mode not in (True, False, "remainder"):
+        if mode not in (True, False, "remainder", "stochastic"):
             raise ValueError(
                 f"Invalid master_weights value: {mode!r}; expected True (fp32 masters for half "
-                "params), False (update half params directly) or 'remainder' (bf16 params only)"
+                "params), False (update half params directly), 'remainder' (bf16 params only) or "
+                "'stochastic' (no master: the update is rounded into half params stochastically)"
             )
+        _codecs.check_moments(group["moments"])
+        if not isinstance(group["seed"], int):
+            raise TypeError(f"seed must be an int, got {type(group['seed']).__name__}")
+        self._index_params()
         name = type(self).__name__
         if group["differentiable"]:
             raise RuntimeError(
@@ -156,11 +162,25 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 )
             if param.layout != torch.strided:
                 raise TypeError(f"{name} needs dense (strided) params; {where} has layout {param.layout}")
+            if group["moments"] != "fp32" and not has_kernel(param.dtype) or (
+                group["moments"] != "fp32" and param.is_complex()
+            ):
+                raise TypeError(
+                    f"moments={group['moments']!r} is for float32, float16 and bfloat16 params; "
+                    f"{where} is {param.dtype}, whose step runs torch's own ops with moments in its "
+                    "dtype: put it in a param group with moments='fp32'"
+                )
             if mode == "remainder" and param.dtype == torch.float16:
                 raise ValueError(
                     f"master_weights='remainder' needs bfloat16 params; {where} is float16 "
                     "(use master_weights=True for float16 params)"
                 )
+
+    def _index_params(self) -> None:
+        # A param's position in the optimizer (over all groups, as state_dict numbers them): the
+        # id its stochastic rounding bits are drawn under, the same after a resume.
+        params = chain.from_iterable(group["params"] for group in self.param_groups)
+        self._param_indices = {id(param): index for index, param in enumerate(params)}
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles (and deep-copies) only defaults, state and param_groups.
@@ -175,6 +195,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        self._index_params()
 
     def _check_hyperparameters(self) -> None:
         """Raises ValueError if a group holds a float option (lr, eps, betas, momentum, ...)
@@ -223,20 +244,26 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
         """The step of a bucket the fused kernels do not take (float64), with torch's ops."""
 
-    def _new_state(self, key: str, param: Tensor, state: dict[str, Any]) -> Tensor:
+    def _new_state(self, key: str, param: Tensor, state: dict[str, Any], moments: str = "fp32") -> Tensor:
         """A fresh state tensor for ``key`` shaped and laid out like ``param`` (the tensor the
-        kernels step); ``state`` holds the entries made before it."""
+        kernels step), a moment stored under the ``moments`` codec (its scales: one float32 per
+        256 elements); ``state`` holds the entries made before it."""
         if key == "step":
             return torch.zeros((), dtype=torch.float32, device=param.device)
-        return torch.zeros_like(param, dtype=state_dtype(param.dtype))
+        if key.endswith(_codecs.SCALES_SUFFIX):
+            blocks = (param.numel() + _codecs.CODEC_BLOCK - 1) // _codecs.CODEC_BLOCK
+            return torch.zeros(blocks, dtype=torch.float32, device=param.device)
+        return torch.zeros_like(param, dtype=_codecs.CODED_DTYPES.get(moments, state_dtype(param.dtype)))
 
     def _state_of(self, param: Tensor, bucket: Bucket, work_param: Tensor) -> dict[str, Any]:
         """The state of ``param``, made like ``work_param`` (a DTensor's local shard, or the
         dense copy of a param with gaps) where it is missing."""
         state = self.state[param]
+        moments = bucket.group["moments"]
+        _codecs.convert(state, bucket.state_keys, moments, state_dtype(work_param.dtype))
         for key in bucket.state_keys:
             if key not in state:
-                state[key] = self._new_state(key, work_param, state)
+                state[key] = self._new_state(key, work_param, state, moments)
         master_key = bucket.master_key
         if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
             master_key == REMAINDER_KEY
@@ -270,8 +297,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         # torch casts every floating state tensor to its param's dtype, which would round the
         # fp32 moments and masters of half params: redo the cast from the saved values.
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for saved_id, param in zip(saved_ids, params, strict=True):
+        params = ((group, param) for group in self.param_groups for param in group["params"])
+        for saved_id, (group, param) in zip(saved_ids, params, strict=True):
             saved = state_dict["state"].get(saved_id)
             if saved is None:
                 continue
@@ -280,10 +307,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             for key, value in saved.items():
                 if key == "step":
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=param.device)
+                elif key.endswith(_codecs.SCALES_SUFFIX):
+                    state[key] = value.detach().to(param.device, torch.float32, copy=True).contiguous()
                 elif isinstance(value, Tensor):
                     dtype = torch.int16 if key == REMAINDER_KEY else state_dtype(param.dtype)
                     if key == MASTER_KEY:
                         dtype = torch.float32
+                    elif value.dtype in (torch.uint8, torch.bfloat16) and key not in (REMAINDER_KEY,):
+                        dtype = value.dtype  # coded moments stay coded (converted below if need be)
                     value = value.detach()
                     if value.shape == local_param.shape and is_dense(local_param):
                         state[key] = like(value, local_param, dtype)
@@ -292,6 +323,58 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                             device=param.device, dtype=dtype, memory_format=torch.contiguous_format,
                             copy=True,
                         )
+            # A torch.optim state (fp32 moments) is quantized into the group's codec now, so that
+            # state_dict() and torch_state_dict() show what the next step will use.
+            moment_keys = tuple(key for key in saved if key not in (MASTER_KEY, REMAINDER_KEY))
+            _codecs.convert(state, moment_keys, group["moments"], state_dtype(param.dtype))
+
+    def state_bytes(self) -> dict[str, int]:
+        """The bytes the optimizer state holds, measured from its tensors, by kind: ``masters``
+        (fp32 masters, bf16 remainders), ``moments`` (moments and momentum buffers, in their
+        codec), ``scales`` (the float32 scales of 8-bit moments) and ``other`` (step counts).
+
+        >>> opt = fusedamp.FusedAdamW(model.parameters(), moments="int8")
+        >>> opt.state_bytes()["moments"]  # about 2 bytes per param after the first step
+        """
+        totals = {"masters": 0, "moments": 0, "scales": 0, "other": 0}
+        for state in self.state.values():
+            for key, value in state.items():
+                if not isinstance(value, Tensor):
+                    continue
+                local = _dtensor.local(value)
+                if key in (MASTER_KEY, REMAINDER_KEY):
+                    kind = "masters"
+                elif key.endswith(_codecs.SCALES_SUFFIX):
+                    kind = "scales"
+                elif key == "step":
+                    kind = "other"
+                else:
+                    kind = "moments"
+                totals[kind] += local.numel() * local.element_size()
+        return totals
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state_dict as the matching ``torch.optim`` optimizer keeps it: every
+        moment as float32 values (8-bit codes and bf16 moments decoded) under torch's keys,
+        without fusedamp's own entries (masters, scales); loadable by
+        ``torch.optim.AdamW.load_state_dict`` (or ``SGD``'s), and by this class, which quantizes
+        it back into the identical codes.
+
+        >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())
+        """
+        native = self.state_dict()
+        exported: dict[Any, dict[str, Any]] = {}
+        for index, saved in native["state"].items():
+            entry: dict[str, Any] = {}
+            for key, value in saved.items():
+                if key in (MASTER_KEY, REMAINDER_KEY) or key.endswith(_codecs.SCALES_SUFFIX):
+                    continue
+                coded = isinstance(value, Tensor) and value.dtype in (torch.uint8, torch.bfloat16)
+                if coded and key != "step":
+                    value = _codecs.float_value(saved, key)
+                entry[key] = value
+            exported[index] = entry
+        return {"state": exported, "param_groups": native["param_groups"]}
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -372,10 +455,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             bucket = buckets.get(key)
             if bucket is None:
                 master_key = master_key_for(group["master_weights"], param.dtype)
-                state_keys = ("step", *self._moment_keys(group))
+                moment_keys = self._moment_keys(group)
+                if group["moments"] == "int8":
+                    moment_keys = (*moment_keys, *map(_codecs.scales_key, moment_keys))
                 bucket = buckets[key] = Bucket(
-                    group, param.device, master_key, state_keys, native=not has_kernel(param.dtype),
-                    complex=param.is_complex(),
+                    group, param.device, master_key, ("step", *moment_keys),
+                    native=not has_kernel(param.dtype), complex=param.is_complex(),
+                    stochastic=group["master_weights"] == "stochastic" and param.dtype in HALF_DTYPES,
                 )
             if type(param) in _PLAIN_TENSORS and type(grad) in _PLAIN_TENSORS:
                 work_param, work_grad = param, grad
@@ -392,6 +478,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 bucket.params.append(work_param)
                 bucket.grads.append(work_grad)
             bucket.states.append(self._state_of(param, bucket, work_param))
+            if bucket.stochastic:
+                bucket.param_ids.append(self._param_indices[id(param)])
         return list(buckets.values())
 
     # --- AMP: the read-only pass and clipping -------------------------------------------------

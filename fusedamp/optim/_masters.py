@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-MasterWeights = bool | Literal["remainder"]
+MasterWeights = bool | Literal["remainder", "stochastic"]
 
 # The state entries holding the fp32 value of a half param; at most one is present.
 MASTER_KEY = "master"
@@ -45,7 +45,7 @@ def join_bf16_remainder(param: Tensor, remainder: Tensor) -> Tensor:
 
 
 def master_key_for(mode: MasterWeights, dtype: torch.dtype) -> str | None:
-    if dtype not in HALF_DTYPES or mode is False:
+    if dtype not in HALF_DTYPES or mode is False or mode == "stochastic":
         return None
     return REMAINDER_KEY if mode == "remainder" else MASTER_KEY
 

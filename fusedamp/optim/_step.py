@@ -46,6 +46,8 @@ class Bucket:
     state_keys: tuple[str, ...]  # the entries besides the master that each param's state needs
     native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
     complex: bool  # complex params: the kernels get the real views of params, grads and moments
+    stochastic: bool = False  # half params rounded stochastically (master_weights="stochastic")
+    param_ids: list[int] = field(default_factory=list)  # their indices in the optimizer, if so
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
@@ -63,6 +65,18 @@ class Bucket:
 
     def masters(self) -> list[Tensor]:
         return [] if self.master_key is None else self.state_list(self.master_key)
+
+    def scales(self, key: str) -> list[Tensor] | None:
+        """The scale lists of state ``key`` when the group stores it as 8-bit codes, else None."""
+        if self.group["moments"] != "int8":
+            return None
+        return [state[key + "_scales"] for state in self.states]
+
+    def rounding(self) -> dict[str, Any]:
+        """The op keywords of stochastic rounding (none when the bucket rounds to nearest)."""
+        if not self.stochastic:
+            return {}
+        return {"rounding_ids": self.param_ids, "rounding_seed": self.group["seed"]}
 
 
 @dataclass

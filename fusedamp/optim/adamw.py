@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
+from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
 from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
 
@@ -26,7 +27,19 @@ class FusedAdamW(FusedOptimizer):
       (state ``"master"``) that takes the update and is rounded into the param; ``"remainder"``
       (bfloat16 params only) stores just the low 16 bits of that fp32 master (state
       ``"master_remainder"``, int16), which the bf16 param completes exactly; ``False`` updates
-      the half param itself. float32 params never have a master. Moments are always float32.
+      the half param itself; ``"stochastic"`` (float16/bfloat16 params) keeps no master and
+      rounds the fp32 update into the param stochastically, with random bits from a hash of
+      (``seed``, step, the param's index in the optimizer, element): the same on CPU and CUDA,
+      for any thread count, and a resumed run continues bitwise. float32 params never have a
+      master.
+    - ``moments``: how ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are stored:
+      ``"fp32"`` (default), ``"bf16"``, or ``"int8"``: 8-bit block codes (uint8, an fp8-like
+      code relative to a power-of-two float32 scale per block of 256 elements, under
+      ``"<key>_scales"``), about 1 byte per element. float64 and complex params keep torch's
+      own step and need ``"fp32"``. ``state_bytes()`` measures what the state holds;
+      ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
+    - ``seed``: the seed of stochastic rounding (an int, kept in the param groups, so it is
+      part of ``state_dict()``).
     - ``max_grad_norm``: clip the grads to this global L2 norm (over every param of the
       optimizer that has a grad) inside the step, as ``torch.nn.utils.clip_grad_norm_`` would;
       ``None`` (default) is off. ``last_grad_norm`` then holds the norm of the last step as a
@@ -67,6 +80,8 @@ class FusedAdamW(FusedOptimizer):
         master_weights: MasterWeights = True,
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
+        moments: Moments = "fp32",
+        seed: int = 0,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= eps:
@@ -86,6 +101,8 @@ class FusedAdamW(FusedOptimizer):
             "maximize": maximize,
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
+            "moments": moments,
+            "seed": seed,
             **torch_flags(foreach, fused, capturable, differentiable),
         }
         super().__init__(params, defaults, max_grad_norm)
@@ -136,6 +153,10 @@ class FusedAdamW(FusedOptimizer):
             "eps": group["eps"],
             "weight_decay": group["weight_decay"],
             "amsgrad": group["amsgrad"],
+            "exp_avg_scales": bucket.scales("exp_avg"),
+            "exp_avg_sq_scales": bucket.scales("exp_avg_sq"),
+            "max_exp_avg_sq_scales": bucket.scales("max_exp_avg_sq") if group["amsgrad"] else None,
+            **bucket.rounding(),
             **scalars.op_keywords(bucket),
         }
 

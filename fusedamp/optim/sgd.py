@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
+from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
 from fusedamp.optim._step import AmpScalars, Bucket, advance_steps, lr_for_device, native_grads
 
@@ -19,8 +20,9 @@ class FusedSGD(FusedOptimizer):
     """SGD (momentum, dampening, Nesterov, weight decay) updated by one fused kernel per bucket.
 
     Same arguments, defaults, validation and ``"momentum_buffer"`` state as
-    ``torch.optim.SGD``; ``master_weights``, ``max_grad_norm`` and ``write_unscaled_grads`` work
-    as in :class:`fusedamp.FusedAdamW`. Each param also has a ``"step"`` count (a float32 0-dim
+    ``torch.optim.SGD``; ``master_weights``, ``max_grad_norm``, ``write_unscaled_grads``,
+    ``moments`` (here: how the momentum buffer is stored) and ``seed`` work as in
+    :class:`fusedamp.FusedAdamW`. Each param also has a ``"step"`` count (a float32 0-dim
     tensor on its device): the first step of a param (count 0) starts its momentum buffer as
     the grad itself, as torch does.
 
@@ -49,6 +51,8 @@ class FusedSGD(FusedOptimizer):
         master_weights: MasterWeights = True,
         max_grad_norm: float | None = None,
         write_unscaled_grads: bool = True,
+        moments: Moments = "fp32",
+        seed: int = 0,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= momentum:  # NaN fails too
@@ -68,6 +72,8 @@ class FusedSGD(FusedOptimizer):
             "maximize": maximize,
             "master_weights": master_weights,
             "write_unscaled_grads": write_unscaled_grads,
+            "moments": moments,
+            "seed": seed,
             **torch_flags(foreach, fused, False, differentiable),
         }
         super().__init__(params, defaults, max_grad_norm)
@@ -77,7 +83,7 @@ class FusedSGD(FusedOptimizer):
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
-    def _new_state(self, key: str, param: Tensor, state: dict[str, Any]) -> Tensor:
+    def _new_state(self, key: str, param: Tensor, state: dict[str, Any], moments: str = "fp32") -> Tensor:
         if key == "step" and "momentum_buffer" in state:
             # A torch.optim.SGD state (buffer, no count): the buffer is live, not to be reset.
             return torch.ones((), dtype=torch.float32, device=param.device)
@@ -85,7 +91,7 @@ class FusedSGD(FusedOptimizer):
             # Momentum switched on after steps without it: torch.optim.SGD starts a missing buffer
             # as the grad, which the kernels do at step count 0 (in place: the plan keeps it).
             state["step"].zero_()
-        return super()._new_state(key, param, state)
+        return super()._new_state(key, param, state, moments)
 
     _op = "sgd_"
     _call_options = frozenset(
@@ -103,6 +109,8 @@ class FusedSGD(FusedOptimizer):
             "dampening": group["dampening"],
             "weight_decay": group["weight_decay"],
             "nesterov": group["nesterov"],
+            "momentum_buffer_scales": bucket.scales("momentum_buffer") if group["momentum"] != 0 else None,
+            **bucket.rounding(),
             **scalars.op_keywords(bucket),
         }
 

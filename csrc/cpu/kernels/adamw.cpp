@@ -42,9 +42,72 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
   }
 }
 
+// [note: block staging] The coded modes: each codec block's param value, grad and moments staged
+// as fp32 tiles, the same element math run on them, and everything stored back through its codec.
+template <DType P, DType G, MasterKind M, StateCodec C, bool kAmsgrad, bool kWriteGrad>
+void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoefficients c,
+                       float multiplier, int64_t begin, int64_t end, bool stream_params) {
+  const auto& lists = call.lists.pointers;
+  void* param = lists[kAdamWParam][tensor];
+  void* grad = lists[kAdamWGrad][tensor];
+  void* master = lists[kAdamWMaster][tensor];
+  void* exp_avg = lists[kAdamWExpAvg][tensor];
+  void* exp_avg_sq = lists[kAdamWExpAvgSq][tensor];
+  void* max_exp_avg_sq = lists[kAdamWMaxExpAvgSq][tensor];
+  float* exp_avg_scales = static_cast<float*>(lists[kAdamWExpAvgScale][tensor]);
+  float* exp_avg_sq_scales = static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]);
+  float* max_exp_avg_sq_scales = static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]);
+  const StochasticRounding& rounding = call.rounding;
+  uint32_t key = 0;
+  if (rounding.enabled) {
+    const float step = *static_cast<const float*>(lists[kAdamWStep][tensor]);
+    key = rounding_key(rounding.seed, rounding_id_of(lists[kAdamWRoundingId][tensor]), uint64_t(step) + 1,
+                       uint64_t(begin) >> 32);
+  }
+  alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock];
+  alignas(64) float exp_avg_tile[kCodecBlock], exp_avg_sq_tile[kCodecBlock], max_tile[kCodecBlock];
+  for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+    float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
+    float* g = stage_grad_block<G>(grad, first, n, grad_tile);
+    float* m = stage_state_block<C, true>(exp_avg, exp_avg_scales, first, n, exp_avg_tile);
+    float* v = stage_state_block<C, false>(exp_avg_sq, exp_avg_sq_scales, first, n, exp_avg_sq_tile);
+    float* v_max = kAmsgrad ? stage_state_block<C, false>(max_exp_avg_sq, max_exp_avg_sq_scales,
+                                                          first, n, max_tile)
+                            : max_tile;
+    const AdamWTensorPointers tile{value, g, nullptr, m, v, v_max};
+    adamw_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kAmsgrad, kWriteGrad>(
+        tile, c, multiplier, 0, n);
+    unstage_state_block<C, true>(exp_avg, exp_avg_scales, first, n, m);
+    unstage_state_block<C, false>(exp_avg_sq, exp_avg_sq_scales, first, n, v);
+    if (kAmsgrad) unstage_state_block<C, false>(max_exp_avg_sq, max_exp_avg_sq_scales, first, n, v_max);
+    unstage_grad_block<G>(grad, first, n, g, kWriteGrad);
+    unstage_value_block<P, M>(param, master, first, n, value, rounding.enabled, key, stream_params);
+  });
+  finish_param_stream<M>(stream_params);
+}
+
 void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, int64_t tensor,
                  int64_t begin, int64_t end, bool stream_params) {
   const auto& lists = call.lists.pointers;
+  if (call.state_codec != StateCodec::kFloat32 || call.rounding.enabled) {
+    const float multiplier = grad_multiplier(call.inputs);
+    with_float_dtype(call.param_dtype, [&](auto p) {
+      with_float_dtype(call.grad_dtype, [&](auto g) {
+        with_master_kind<p.value>(call.master_kind, [&](auto m) {
+          with_state_codec(call.state_codec, [&](auto codec) {
+            with_bool(call.hyper.amsgrad, [&](auto amsgrad) {
+              with_bool(call.inputs.write_grad, [&](auto write_grad) {
+                adamw_block_range<p.value, g.value, m.value, codec.value, amsgrad.value,
+                                  write_grad.value>(call, tensor, coefficients, multiplier, begin,
+                                                    end, stream_params);
+              });
+            });
+          });
+        });
+      });
+    });
+    return;
+  }
   const AdamWTensorPointers pointers{
       lists[kAdamWParam][tensor], lists[kAdamWGrad][tensor], lists[kAdamWMaster][tensor],
       static_cast<float*>(lists[kAdamWExpAvg][tensor]),
@@ -87,6 +150,7 @@ void adamw_cpu(const AdamWCall& call) {
   const AdamWCall::CpuChunk chunk = cpu_chunk<AdamWCall>();
   // Bytes a param moves: p, g, m, v and an fp32 master, about (see bench_optim's JOB_BYTES).
   const bool stream = stream_param_stores(call.lists.numels, 28);
+  static_assert(kChunkSize % kCodecBlock == 0, "CPU chunks must hold whole codec blocks");
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
     chunk(call, coefficients[tensor], tensor, begin, end, stream);
   });

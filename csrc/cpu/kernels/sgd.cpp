@@ -39,9 +39,62 @@ void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float m
   }
 }
 
+// [note: block staging] The coded modes, as adamw_block_range: the momentum buffer through the
+// call's state codec, the param through its master mode or stochastic rounding.
+template <DType P, DType G, MasterKind M, StateCodec C, bool kHasMomentum, bool kWriteGrad>
+void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients c, float multiplier,
+                     int64_t begin, int64_t end, bool stream_params) {
+  const auto& lists = call.lists.pointers;
+  void* param = lists[kSgdParam][tensor];
+  void* grad = lists[kSgdGrad][tensor];
+  void* master = lists[kSgdMaster][tensor];
+  void* buffer = lists[kSgdMomentumBuffer][tensor];
+  float* buffer_scales = static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]);
+  const StochasticRounding& rounding = call.rounding;
+  uint32_t key = 0;
+  if (rounding.enabled) {
+    const float step = *static_cast<const float*>(lists[kSgdStep][tensor]);
+    key = rounding_key(rounding.seed, rounding_id_of(lists[kSgdRoundingId][tensor]), uint64_t(step) + 1,
+                       uint64_t(begin) >> 32);
+  }
+  alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock], buffer_tile[kCodecBlock];
+  for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+    float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
+    float* g = stage_grad_block<G>(grad, first, n, grad_tile);
+    float* b = kHasMomentum ? stage_state_block<C, true>(buffer, buffer_scales, first, n, buffer_tile)
+                            : buffer_tile;
+    const SgdTensorPointers tile{value, g, nullptr, b};
+    sgd_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kHasMomentum, kWriteGrad>(
+        tile, c, multiplier, 0, n);
+    if (kHasMomentum) unstage_state_block<C, true>(buffer, buffer_scales, first, n, b);
+    unstage_grad_block<G>(grad, first, n, g, kWriteGrad);
+    unstage_value_block<P, M>(param, master, first, n, value, rounding.enabled, key, stream_params);
+  });
+  finish_param_stream<M>(stream_params);
+}
+
 void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t tensor,
                int64_t begin, int64_t end, bool stream_params) {
   const auto& lists = call.lists.pointers;
+  if (call.state_codec != StateCodec::kFloat32 || call.rounding.enabled) {
+    const float multiplier = grad_multiplier(call.inputs);
+    with_float_dtype(call.param_dtype, [&](auto p) {
+      with_float_dtype(call.grad_dtype, [&](auto g) {
+        with_master_kind<p.value>(call.master_kind, [&](auto m) {
+          with_state_codec(call.state_codec, [&](auto codec) {
+            with_bool(coefficients.momentum != 0.0f, [&](auto has_momentum) {
+              with_bool(call.inputs.write_grad, [&](auto write_grad) {
+                sgd_block_range<p.value, g.value, m.value, codec.value, has_momentum.value,
+                                write_grad.value>(call, tensor, coefficients, multiplier, begin,
+                                                  end, stream_params);
+              });
+            });
+          });
+        });
+      });
+    });
+    return;
+  }
   const SgdTensorPointers pointers{lists[kSgdParam][tensor], lists[kSgdGrad][tensor],
                                    lists[kSgdMaster][tensor],
                                    static_cast<float*>(lists[kSgdMomentumBuffer][tensor])};

@@ -1,0 +1,90 @@
+// Stochastic rounding of fp32 values into bf16/fp16 params, with random bits from a counter-based
+// hash of (seed, step, param, element): the same bits on CPU and CUDA, any thread count or
+// chunking, and a resumed run continues bitwise without any saved RNG state.
+#pragma once
+
+#include <math.h>
+
+#include "fusedamp/math/dtypes.h"
+
+namespace fusedamp {
+
+// What an optimizer call needs to round its params stochastically (enabled false: round to nearest).
+// [note: rounding ids] Each param's id (its index in the optimizer) travels as the value of a
+// pointer list of the call's TensorLists, so that the CUDA launch metadata carries it per slot.
+struct StochasticRounding {
+  bool enabled = false;
+  uint64_t seed = 0;
+};
+
+inline void* rounding_id_as_pointer(int64_t id) { return reinterpret_cast<void*>(uintptr_t(id)); }
+
+}  // namespace fusedamp
+
+FUSEDAMP_NAMESPACE_BEGIN
+
+FUSEDAMP_HOST_DEVICE uint64_t rounding_id_of(const void* pointer) { return uint64_t(uintptr_t(pointer)); }
+
+// splitmix64's finalizer: a bijection of 64-bit words with full avalanche.
+FUSEDAMP_HOST_DEVICE uint64_t mix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// The key of elements [2^32 h, 2^32 (h + 1)) of param `param_id` at step `step` (the count after
+// this step), h = element >> 32: computed once per chunk (chunks never straddle 2^32).
+FUSEDAMP_HOST_DEVICE uint32_t rounding_key(uint64_t seed, uint64_t param_id, uint64_t step,
+                                           uint64_t element_high) {
+  uint64_t x = mix64(seed + 0x9e3779b97f4a7c15ull);
+  x = mix64(x ^ param_id);
+  x = mix64(x ^ step);
+  return uint32_t(mix64(x ^ element_high));
+}
+
+// 32 random bits of one element: Wellons' lowbias32 of its low 32 index bits and the key (two
+// multiplies, vectorizable).
+FUSEDAMP_HOST_DEVICE uint32_t rounding_bits(uint32_t key, int64_t element) {
+  uint32_t x = uint32_t(element) ^ key;
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// value rounded to a bf16 neighbour, up with probability (distance to the lower one) / ulp: the
+// random low 16 bits added to the magnitude's dropped bits carry into the kept ones. Non-finite
+// values round as float_to_bf16 does.
+FUSEDAMP_HOST_DEVICE uint16_t float_to_bf16_stochastic(float value, uint32_t random) {
+  const uint32_t bits = float_bits(value);
+  const uint32_t rounded = (bits + (random & 0xffffu)) >> 16;
+  return uint16_t(select_bits(is_non_finite(value), float_to_bf16(value), rounded));
+}
+
+// The same for fp16: in fp16's normal range the 13 dropped mantissa bits take the random carry
+// (the result is an exact fp16 value, converted exactly); below it the grid is 2^-24 everywhere,
+// so the value in units of 2^-24 gets a random fraction added and is truncated.
+FUSEDAMP_HOST_DEVICE uint16_t float_to_fp16_stochastic(float value, uint32_t random) {
+  const uint32_t bits = float_bits(value);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  const float normal = float_from_bits((bits + (random & 0x1fffu)) & ~0x1fffu);
+  const float units = float_from_bits(magnitude) * 0x1.0p24f + float(random >> 8) * 0x1.0p-24f;
+  const float subnormal = float_from_bits((bits & 0x80000000u) | float_bits(truncf(units) * 0x1.0p-24f));
+  const bool is_subnormal = magnitude < 0x38800000u;  // below 2^-14
+  const float chosen = select_float(is_subnormal, subnormal, normal);
+  return float_to_fp16(select_float(is_non_finite(value), value, chosen));
+}
+
+template <DType T>
+FUSEDAMP_HOST_DEVICE uint16_t float_to_half_stochastic(float value, uint32_t random) {
+  if constexpr (T == DType::kFloat16) {
+    return float_to_fp16_stochastic(value, random);
+  } else {
+    static_assert(T == DType::kBFloat16, "stochastic rounding: bf16 or fp16 only");
+    return float_to_bf16_stochastic(value, random);
+  }
+}
+
+FUSEDAMP_NAMESPACE_END

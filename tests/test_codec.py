@@ -1,0 +1,116 @@
+"""The 8-bit state codec (csrc/include/fusedamp/math/codec.h, [note: block codes]) against a float64
+reference of its definition, on every CPU ISA build: blocks of 256 elements in storage order, a
+partial last block, signed and unsigned codes, zeros, non-finite values and flushing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusedamp.ops as ops
+
+BLOCK = 256
+
+
+def reference(values: torch.Tensor, signed: bool) -> torch.Tensor:
+    """What decode(encode(values)) must give, computed in float64 from the definition: each
+    block's scale is 2^e with e the exponent of its largest finite magnitude rounded to 3 mantissa
+    bits; a value keeps 3 mantissa bits (nearest even) if it lies in the 2^4 (signed) or 2^5
+    (unsigned) binades at and below 2^e, else flushes to 0 (signed) or to the smallest code."""
+    flat = values.flatten().double()
+    out = torch.empty_like(flat)
+    binades = 15 if signed else 31
+    for start in range(0, flat.numel(), BLOCK):
+        block = flat[start : start + BLOCK]
+        finite = block.abs().nan_to_num(nan=0.0, posinf=0.0)
+        top_value = _round3(finite.max().item())
+        for i, x in enumerate(block.tolist()):
+            if math.isnan(x) or math.isinf(x):
+                out[start + i] = x if signed or math.isnan(x) else abs(x)
+                continue
+            magnitude = _round3(abs(x))
+            top = math.frexp(top_value)[1] if top_value > 0 else None
+            if top is None or magnitude == 0 or math.frexp(magnitude)[1] <= top - binades:
+                kept = 0.0 if signed or x == 0 else 2.0 ** (top - binades) if top is not None else 0.0
+            else:
+                kept = magnitude
+            out[start + i] = math.copysign(kept, x) if signed else kept
+    return out.view(values.shape).float()
+
+
+def _round3(x: float) -> float:
+    if x == 0:
+        return 0.0
+    mantissa, exponent = math.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return round(mantissa * 16) / 16 * 2.0**exponent  # Python's round: half to even
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("numel", [1, 255, 256, 257, 1000, 4097])
+def test_codes_decode_to_the_float64_reference(cpu_isa: str, signed: bool, numel: int) -> None:
+    generator = torch.Generator().manual_seed(numel)
+    values = torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) ** 4
+    values = values if signed else values.square()
+    codes, scales = ops.encode_state(values, signed)
+    assert codes.dtype == torch.uint8 and codes.shape == values.shape
+    assert scales.shape == ((numel + BLOCK - 1) // BLOCK,)
+    decoded = ops.decode_state(codes, scales, signed)
+    torch.testing.assert_close(decoded, reference(values, signed), rtol=0, atol=0)
+    # Within the binades a block keeps, each value is off by at most half a unit of 3 bits.
+    binades = 15 if signed else 31
+    per_element = scales.repeat_interleave(BLOCK)[:numel]
+    in_range = values.abs() >= per_element * 2.0 ** (2 - binades)
+    relative = ((decoded - values).abs() / values.abs())[in_range]
+    assert relative.max() <= 2**-4
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_special_values_zero_and_flushing(cpu_isa: str, signed: bool) -> None:
+    values = torch.tensor([1.0, 0.0, -0.0, float("nan"), float("inf"), 1e-6, 3e-5, 2.0**-20, 0.5])
+    if not signed:
+        values = values.abs()
+    codes, scales = ops.encode_state(values, signed)
+    decoded = ops.decode_state(codes, scales, signed)
+    torch.testing.assert_close(decoded, reference(values, signed), rtol=0, atol=0, equal_nan=True)
+    assert decoded[3].isnan() and decoded[4] == float("inf")
+    if signed:
+        assert decoded[5] == 0  # below the 16 binades under the block's largest value: flushed
+    else:
+        assert decoded[5] > 0  # a nonzero second moment never decodes as 0
+
+
+def test_all_zero_and_huge_blocks() -> None:
+    for values in (torch.zeros(300), torch.full((300,), 3.0e38), torch.full((10,), 1e-40)):
+        codes, scales = ops.encode_state(values, True)
+        decoded = ops.decode_state(codes, scales, True)
+        assert decoded.isfinite().all()
+        assert ((decoded - values).abs() <= values.abs() * 2**-4 + 1e-38).all()
+
+
+def test_reencoding_decoded_codes_is_the_identity(cpu_isa: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3000, generator=generator) * 10 ** torch.randint(-6, 3, (3000,), generator=generator)
+    for signed in (True, False):
+        source = values if signed else values.abs()
+        codes, scales = ops.encode_state(source, signed)
+        again, again_scales = ops.encode_state(ops.decode_state(codes, scales, signed), signed)
+        assert torch.equal(again, codes) and torch.equal(again_scales, scales)
+
+
+def test_codes_follow_storage_order_in_any_memory_format() -> None:
+    values = torch.randn(2, 3, 17, 11).to(memory_format=torch.channels_last)
+    codes, scales = ops.encode_state(values, True)
+    assert codes.stride() == values.stride()
+    flat_codes, flat_scales = ops.encode_state(values.permute(0, 2, 3, 1).flatten(), True)
+    assert torch.equal(codes.permute(0, 2, 3, 1).flatten(), flat_codes) and torch.equal(scales, flat_scales)
+    torch.testing.assert_close(ops.decode_state(codes, scales, True), reference(values, True), rtol=0, atol=0)
+
+
+def test_bad_inputs_are_named() -> None:
+    with pytest.raises(TypeError, match="values must be float32"):
+        ops.encode_state(torch.zeros(3, dtype=torch.float16), True)
+    codes, scales = ops.encode_state(torch.zeros(300), True)
+    with pytest.raises(RuntimeError, match="one scale per 256 codes"):
+        ops.decode_state(codes, scales[:1], True)

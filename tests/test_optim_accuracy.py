@@ -1,0 +1,108 @@
+"""Accuracy evidence of the coded optimizer modes against fp32 torch.optim.AdamW: bitsandbytes'
+8-bit optimizer protocol, Transformer Engine's aggressive settings, and stochastic rounding (its
+mean, and bf16 params tracking fp32 at lr=1e-5 where round-to-nearest without a master stalls)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fusedamp
+
+# bitsandbytes tests/test_optim.py (test_optimizer8bit): 50 steps of randn * 0.01 grads, the 8-bit
+# state compared dequantized (fewer than 20 elements outside atol 3e-3 / rtol 1e-3), mean param
+# error below 6e-5 (bf16: 1.7e-4), a state-dict round trip every 10 steps.
+BNB_SHAPES = [(1024, 32), (1024, 1024), (1024, 4097)]
+BNB_MEAN_ERROR = {torch.float32: 6e-5, torch.float16: 6e-5, torch.bfloat16: 1.7e-4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", BNB_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_bitsandbytes_protocol_int8_moments(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    generator = torch.Generator().manual_seed(shape[1])
+    steps = 50 if shape[1] <= 1024 else 20  # the 4M-element shape: 20 steps keep the suite fast
+    param = (torch.randn(shape, generator=generator) * 0.1).to(dtype).requires_grad_()
+    reference = param.detach().float().requires_grad_()
+    torch_opt = torch.optim.AdamW([reference], lr=1e-3)
+    opt = fusedamp.FusedAdamW([param], lr=1e-3, moments="int8")
+    for step in range(steps):
+        if step > 0:  # the 8-bit state re-synced from the reference, quantizing it
+            opt.load_state_dict(torch_opt.state_dict())
+        grad = (torch.randn(shape, generator=generator) * 0.01).to(dtype)
+        param.grad, reference.grad = grad, grad.float()
+        opt.step()
+        torch_opt.step()
+        exported = opt.torch_state_dict()["state"][0]
+        for key in ("exp_avg", "exp_avg_sq"):
+            close = torch.isclose(exported[key], torch_opt.state[reference][key], atol=3e-3, rtol=1e-3)
+            assert (~close).sum() < 20, key
+        assert (param.detach().float() - reference.detach()).abs().mean() < BNB_MEAN_ERROR[dtype]
+        if step % 10 == 0 and step > 0:
+            codes = {key: value.clone() for key, value in opt.state[param].items()}
+            resumed = fusedamp.FusedAdamW([param], lr=1e-3, moments="int8")
+            resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+            for key, value in codes.items():
+                assert torch.equal(resumed.state[param][key], value), key
+        # The params drift apart quickly: keep them together, as bitsandbytes does.
+        with torch.no_grad():
+            reference.copy_(reference.to(dtype).float())
+            param.copy_(reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformer_engine_aggressive_settings_int8_moments(dtype: torch.dtype) -> None:
+    # TE's precision-aware test: lr=1 and betas=(0.1, 0.25) make every term of the update count.
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(1024, 1024), (4097,), (3, 64)]
+    params = [torch.randn(s, generator=generator).to(dtype).requires_grad_() for s in shapes]
+    references = [p.detach().float().requires_grad_() for p in params]
+    options = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
+    opt = fusedamp.FusedAdamW(params, moments="int8", **options)
+    torch_opt = torch.optim.AdamW(references, **options)
+    for _ in range(10):
+        for param, reference in zip(params, references, strict=True):
+            grad = torch.randn(param.shape, generator=generator)
+            param.grad, reference.grad = grad.to(dtype), grad.to(dtype).float()
+        opt.step()
+        torch_opt.step()
+    for param, reference in zip(params, references, strict=True):
+        torch.testing.assert_close(opt.master_of(param), reference.detach(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_is_unbiased(dtype: torch.dtype) -> None:
+    # 100k roundings of 0.25 + 0.3 ulp (each element its own random bits): their mean is the value.
+    ulp = 2.0**-9 if dtype == torch.bfloat16 else 2.0**-12
+    param = torch.full((100_000,), 0.25, dtype=dtype, requires_grad=True)
+    opt = fusedamp.FusedSGD([param], lr=1.0, master_weights="stochastic", seed=1)
+    param.grad = torch.full_like(param, -0.3 * ulp)
+    opt.step()
+    values = param.detach().double()
+    assert set(values.unique().tolist()) == {0.25, 0.25 + ulp}
+    assert abs(values.mean().item() - (0.25 + 0.3 * ulp)) < 3e-5
+
+
+@pytest.mark.parametrize(
+    ("master_weights", "tracks"), [("stochastic", True), (False, False)], ids=["stochastic", "nearest_control"]
+)
+def test_bf16_params_track_fp32_at_lr_1e_5_only_with_stochastic_rounding(master_weights, tracks) -> None:
+    # At lr=1e-5 an update is a hundredth of a bf16 ulp near 1: rounding to nearest without a
+    # master drops every one of them (the negative control), stochastic rounding keeps them on
+    # average.
+    generator = torch.Generator().manual_seed(4)
+    start = torch.randn(20_000, generator=generator).bfloat16()
+    param = start.clone().requires_grad_()
+    reference = start.float().requires_grad_()
+    opt = fusedamp.FusedAdamW([param], lr=1e-5, weight_decay=0.0, master_weights=master_weights)
+    torch_opt = torch.optim.AdamW([reference], lr=1e-5, weight_decay=0.0)
+    for _ in range(1500):
+        grad = 1.0 + 0.5 * torch.randn(start.shape, generator=generator)
+        param.grad, reference.grad = grad.bfloat16(), grad.bfloat16().float()
+        opt.step()
+        torch_opt.step()
+    moved = (param.detach().float() - start.float()).mean().item()
+    expected = (reference.detach() - start.float()).mean().item()
+    assert expected < -1e-2
+    assert (abs(moved - expected) < 0.05 * abs(expected)) == tracks

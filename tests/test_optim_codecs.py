@@ -1,0 +1,278 @@
+"""The coded optimizer modes ([note: state codecs]): bf16 / 8-bit moments and stochastically rounded
+params in FusedAdamW and FusedSGD. Bitwise agreement across CPU ISA builds and thread counts, the
+AMP guarantees (a found_inf step changes nothing, inv_scale and clipping inside the step, NaN
+grads without a scaler propagate), resumes, state dicts (native, torch's, export), errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from conftest import SUPPORTED_CPU_ISAS
+
+import fusedamp
+import fusedamp.ops as ops
+from fusedamp import _C
+
+SIZES = [1, 255, 257, 4097, 70001]  # partial blocks; 70001 spans three CPU chunks (threads)
+MODES = [  # (param dtype, master_weights, moments)
+    (torch.float32, True, "int8"),
+    (torch.float32, True, "bf16"),
+    (torch.bfloat16, True, "int8"),
+    (torch.bfloat16, "remainder", "int8"),
+    (torch.bfloat16, "stochastic", "int8"),
+    (torch.bfloat16, "stochastic", "bf16"),
+    (torch.bfloat16, "stochastic", "fp32"),
+    (torch.float16, True, "int8"),
+    (torch.float16, "stochastic", "int8"),
+    (torch.bfloat16, False, "bf16"),
+]
+OPTIMIZERS = {
+    "adamw": lambda params, **kw: fusedamp.FusedAdamW(params, lr=1e-2, weight_decay=0.1, **kw),
+    "adamw_amsgrad": lambda params, **kw: fusedamp.FusedAdamW(params, lr=1e-2, amsgrad=True, **kw),
+    "sgd": lambda params, **kw: fusedamp.FusedSGD(params, lr=1e-2, momentum=0.9, nesterov=True, **kw),
+}
+
+
+def make_params(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, generator=generator) * 0.5).to(dtype).requires_grad_() for n in SIZES]
+
+
+def set_grads(params: list[torch.Tensor], step: int, scale: float = 1.0) -> None:
+    generator = torch.Generator().manual_seed(1000 + step)
+    for param in params:
+        grad = (
+            torch.randn(param.shape, generator=generator)
+            * 1e-2
+            * 10 ** torch.randint(-3, 2, (1,), generator=generator).item()
+        )
+        param.grad = (grad * scale).to(param.dtype)
+
+
+def run(optimizer: str, dtype: torch.dtype, master_weights, moments: str, steps: int = 4):
+    params = make_params(dtype)
+    opt = OPTIMIZERS[optimizer](params, master_weights=master_weights, moments=moments, seed=7)
+    for step in range(steps):
+        set_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def snapshot(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every param and state tensor, as raw bytes (so NaN payloads and -0 count)."""
+    out = [p.detach().clone() for p in params]
+    for param in params:
+        for key in sorted(opt.state[param]):
+            out.append(opt.state[param][key].clone())
+    return [t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8) for t in out]
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
+def test_every_isa_build_and_thread_count_gives_the_same_bits(
+    optimizer, dtype, master_weights, moments
+) -> None:
+    previous_isa, previous_threads = _C.cpu_isa(), torch.get_num_threads()
+    results = []
+    try:
+        for isa, threads in itertools.product(SUPPORTED_CPU_ISAS, (1, 2)):
+            _C.set_cpu_isa(isa)
+            torch.set_num_threads(threads)
+            results.append(snapshot(*run(optimizer, dtype, master_weights, moments)))
+    finally:
+        _C.set_cpu_isa(previous_isa)
+        torch.set_num_threads(previous_threads)
+    for result in results[1:]:
+        assert_bitwise(results[0], result)
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
+def test_a_found_inf_step_changes_no_bit(optimizer, dtype, master_weights, moments) -> None:
+    params, opt = run(optimizer, dtype, master_weights, moments, steps=2)
+    before = snapshot(params, opt)
+    set_grads(params, 5)
+    opt.found_inf = torch.ones(())
+    opt.grad_scale = torch.full((), 4.0)
+    opt.step()
+    assert_bitwise(before, snapshot(params, opt))
+
+
+@pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
+def test_inv_scale_and_clipping_are_applied_inside_the_step(dtype, master_weights, moments) -> None:
+    # Grads scaled by 2^10 with the scale handed to the step and clipped inside it give the bits
+    # of a plain step on fp32 grads that were multiplied by inv_scale * clip_coef beforehand.
+    params, plain = make_params(dtype), make_params(dtype)
+    opt = fusedamp.FusedAdamW(
+        params, lr=1e-2, master_weights=master_weights, moments=moments, max_grad_norm=0.5
+    )
+    ref = fusedamp.FusedAdamW(plain, lr=1e-2, master_weights=master_weights, moments=moments)
+    inv_scale = torch.full((), 1024.0).double().reciprocal().float()
+    for p in plain:
+        p.grad_dtype = None  # fp32 grads for half params
+    for step in range(3):
+        set_grads(params, step, scale=1024.0)
+        opt.grad_scale = torch.full((), 1024.0)
+        opt.found_inf = torch.zeros(())
+        opt.step()
+        coef = (0.5 / (opt.last_grad_norm + 1e-6)).clamp(max=1.0)
+        set_grads(plain, step, scale=1024.0)
+        for p in plain:
+            p.grad = p.grad.float() * (inv_scale * coef)
+        ref.step()
+    assert_bitwise(snapshot(params, opt), snapshot(plain, ref))
+
+
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+def test_nan_grads_without_a_scaler_propagate_element_by_element(moments) -> None:
+    param = torch.randn(600, requires_grad=True)
+    reference = param.detach().clone().requires_grad_()
+    opt = fusedamp.FusedAdamW([param], lr=1e-2, moments=moments)
+    torch_opt = torch.optim.AdamW([reference], lr=1e-2)
+    grad = torch.randn(600) * 1e-2
+    grad[3] = float("nan")
+    grad[300] = float("inf")
+    param.grad, reference.grad = grad.clone(), grad.clone()
+    opt.step()
+    torch_opt.step()
+    exported = opt.torch_state_dict()["state"][0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        expected = torch_opt.state[reference][key]
+        got = exported[key]
+        assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
+        assert got[expected.isfinite()].isfinite().all()
+    assert torch.equal(param.isnan(), reference.isnan())
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
+def test_native_state_dict_resumes_bitwise(optimizer, dtype, master_weights, moments) -> None:
+    params, opt = run(optimizer, dtype, master_weights, moments, steps=3)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_params = [p.detach().clone().requires_grad_() for p in params]
+    resumed = OPTIMIZERS[optimizer](resumed_params, master_weights=master_weights, moments=moments)
+    resumed.load_state_dict(saved)  # the seed comes back with the param groups
+    for step in range(3, 6):
+        set_grads(params, step)
+        set_grads(resumed_params, step)
+        opt.step()
+        resumed.step()
+    assert_bitwise(snapshot(params, opt), snapshot(resumed_params, resumed))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+def test_torch_state_dicts_load_quantized_and_export_back(optimizer, moments) -> None:
+    params = make_params(torch.float32)
+    torch_params = [p.detach().clone().requires_grad_() for p in params]
+    torch_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    kwargs = {"lr": 1e-2} if optimizer == "adamw" else {"lr": 1e-2, "momentum": 0.9}
+    torch_opt = torch_cls(torch_params, **kwargs)
+    for step in range(2):
+        set_grads(torch_params, step)
+        torch_opt.step()
+    fused_cls = fusedamp.FusedAdamW if optimizer == "adamw" else fusedamp.FusedSGD
+    opt = fused_cls(params, moments=moments, **kwargs)
+    opt.load_state_dict(torch_opt.state_dict())
+    key = "exp_avg" if optimizer == "adamw" else "momentum_buffer"
+    state = opt.state[params[3]]
+    assert state[key].dtype == (torch.uint8 if moments == "int8" else torch.bfloat16)
+    exported = opt.torch_state_dict()
+    torch.testing.assert_close(
+        exported["state"][3][key], torch_opt.state[torch_params[3]][key], rtol=7e-2, atol=1e-9
+    )
+    # torch takes the export, and loading it back gives the identical codes.
+    torch_cls([p.detach().clone() for p in params], **kwargs).load_state_dict(exported)
+    again = fused_cls([p.detach().clone().requires_grad_() for p in params], moments=moments, **kwargs)
+    again.load_state_dict(exported)
+    for index in range(len(params)):
+        for name, value in opt.state[params[index]].items():
+            assert torch.equal(value, again.state[again.param_groups[0]["params"][index]][name])
+
+
+def test_state_bytes_measure_the_state_tensors() -> None:
+    params = [torch.zeros(1000, dtype=torch.bfloat16, requires_grad=True)]
+    opt = fusedamp.FusedAdamW(params, master_weights="remainder", moments="int8")
+    params[0].grad = torch.ones_like(params[0])
+    opt.step()
+    assert opt.state_bytes() == {"masters": 2000, "moments": 2000, "scales": 2 * 4 * 4, "other": 4}
+
+
+def test_stochastic_rounding_depends_on_the_seed_only_through_its_bits() -> None:
+    first, _ = run("adamw", torch.bfloat16, "stochastic", "fp32")
+    again, _ = run("adamw", torch.bfloat16, "stochastic", "fp32")
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    params = make_params(torch.bfloat16)
+    opt = fusedamp.FusedAdamW(params, lr=1e-2, weight_decay=0.1, master_weights="stochastic", seed=8)
+    for step in range(4):
+        set_grads(params, step)
+        opt.step()
+    assert not torch.equal(first[-1], params[-1])
+
+
+def test_unsupported_combinations_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="Invalid moments value"):
+        fusedamp.FusedAdamW([torch.zeros(3, requires_grad=True)], moments="int4")
+    with pytest.raises(TypeError, match="float64.*moments='fp32'"):
+        fusedamp.FusedAdamW([torch.zeros(3, dtype=torch.float64, requires_grad=True)], moments="int8")
+    with pytest.raises(TypeError, match="complex64.*moments='fp32'"):
+        fusedamp.FusedSGD([torch.zeros(3, dtype=torch.complex64, requires_grad=True)], moments="bf16")
+    with pytest.raises(ValueError, match="'stochastic'"):
+        fusedamp.FusedAdamW([torch.zeros(3, requires_grad=True)], master_weights="random")
+
+
+def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
+    param = torch.zeros(300)
+    grad = torch.ones(300)
+    codes = [torch.zeros(300, dtype=torch.uint8) for _ in range(2)]
+    step = torch.zeros(())
+    common = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}
+    with pytest.raises(RuntimeError, match="exp_avg_scales\\[0\\] must be a contiguous tensor of 2 scales"):
+        ops.adamw_(
+            [param],
+            [grad],
+            [codes[0]],
+            [codes[1]],
+            [],
+            [],
+            [step],
+            exp_avg_scales=[torch.zeros(1)],
+            exp_avg_sq_scales=[torch.zeros(2)],
+            **common,
+        )
+    with pytest.raises(RuntimeError, match="exp_avg_scales has 0 tensors"):
+        ops.adamw_([param], [grad], [codes[0]], [codes[1]], [], [], [step], **common)
+    with pytest.raises(TypeError, match="stochastic rounding"):
+        ops.adamw_(
+            [param],
+            [grad],
+            [torch.zeros(300)],
+            [torch.zeros(300)],
+            [],
+            [],
+            [step],
+            rounding_ids=[0],
+            **common,
+        )
+    with pytest.raises(RuntimeError, match="scales go with uint8 states only"):
+        ops.adamw_(
+            [param],
+            [grad],
+            [torch.zeros(300)],
+            [torch.zeros(300)],
+            [],
+            [],
+            [step],
+            exp_avg_scales=[torch.zeros(2)],
+            **common,
+        )
+    assert param.eq(0).all() and step.eq(0)
