@@ -16,6 +16,14 @@ tensor, as a user writes it, and on flat buffers (one copy and one fused step ov
 as Apex and Megatron keep them); DeepSpeedCPUAdam's recipe is the per-tensor one with its step.
 DeepSpeedCPUAdam is an optional peer: its rows appear when ``deepspeed`` is importable.
 
+The coded modes (issue 20) are AdamW rows of their own: int8 (8-bit block codes) or bf16
+moments, for fp32 params, bf16 params with fp32 / remainder masters, and stochastically rounded
+bf16 params without a master. Their bytes per param (CODED_JOB_BYTES) count 1 byte per int8
+moment element read and written (the scales add 1/64 of a byte); each row also reports the bytes
+per param the state holds at rest ("B/param at rest": param + grad + every state tensor, measured
+from the tensors), and for fp32 params bitsandbytes' and torchao's AdamW8bit are optional peers
+(rows when ``bitsandbytes`` / ``torchao`` are importable).
+
 On CPU every peer is timed at each thread count of ``--threads`` (default: 1 and all).
 """
 
@@ -55,6 +63,33 @@ TARGETS = {
     ("sgd", "fp32"): {"torch fused": 1.2},
     ("sgd", "half"): {"torch O2 recipe": 1.5},
 }
+# The coded rows (issue 20): bytes a param moves (read + written), and the targets over peers.
+CODED_JOB_BYTES = {
+    ("fp32", "fusedamp int8 moments"): 16,  # p 4+4, g 4, m 1+1, v 1+1
+    ("fp32", "fusedamp bf16 moments"): 20,
+    ("bf16", "fusedamp int8 moments"): 18,  # g 2, p 2+2 (edited-param check), master 4+4, m 2, v 2
+    ("bf16", "fusedamp remainder int8"): 14,  # g 2, p 2+2, remainder 2+2, m 2, v 2
+    ("bf16", "fusedamp stochastic int8"): 10,  # g 2, p 2+2, m 2, v 2
+    ("bf16", "fusedamp stochastic bf16 moments"): 14,
+}
+CODED_MODES = {
+    "fusedamp int8 moments": {"moments": "int8"},
+    "fusedamp bf16 moments": {"moments": "bf16"},
+    "fusedamp remainder int8": {"moments": "int8", "master_weights": "remainder"},
+    "fusedamp stochastic int8": {"moments": "int8", "master_weights": "stochastic"},
+    "fusedamp stochastic bf16 moments": {"moments": "bf16", "master_weights": "stochastic"},
+}
+CODED_TARGETS = {
+    ("fp32", "fusedamp int8 moments"): {
+        "fusedamp": 1.5, "torch fused": 1.5, "bitsandbytes AdamW8bit": 20.0, "torchao AdamW8bit": 20.0,
+    },
+    ("bf16", "fusedamp remainder int8"): {"fusedamp": 1.6, "torch O2 recipe, flat": 2.0},
+}
+# At rest: int8 moments <= 2.1 B/param for both moments; whole-state bounds per mode.
+AT_REST_TARGETS = {
+    ("bf16", "fusedamp stochastic int8"): 6.1,
+    ("bf16", "fusedamp remainder int8"): 8.1,
+}
 STREAM_TARGET = 0.85  # of the in-place stream ceiling, every fused row
 THREAD_SCALING = 1.3  # all threads over one, where the in-place stream scales that much
 COPY, STREAM = "copy", "stream a.add_(x, alpha)"
@@ -81,6 +116,40 @@ class Steps:
         # A scale of 1 keeps every grad as it is, while each scaled step still multiplies by it.
         self.scale = torch.ones((), device=device)
         self.found_inf = torch.zeros((), device=device)
+        self.coded: dict[str, torch.optim.Optimizer] = {}  # the coded rows' optimizers, by peer
+
+    def eight_bit_peers(self) -> dict[str, Callable[[], object]]:
+        """bitsandbytes' and torchao's AdamW8bit on the fp32 params, where importable."""
+        peers: dict[str, Callable[[], object]] = {}
+        try:
+            import bitsandbytes
+
+            opt = bitsandbytes.optim.AdamW8bit(self.params, **OPTIONS["adamw"])
+            self.coded["bitsandbytes AdamW8bit"] = opt
+            peers["bitsandbytes AdamW8bit"] = opt.step
+        except (ImportError, RuntimeError):
+            pass
+        try:
+            from torchao.optim import AdamW8bit
+
+            opt = AdamW8bit(self.params, **OPTIONS["adamw"])
+            self.coded["torchao AdamW8bit"] = opt
+            peers["torchao AdamW8bit"] = opt.step
+        except (ImportError, RuntimeError):
+            pass
+        return peers
+
+    def bytes_at_rest(self, opt: torch.optim.Optimizer) -> float:
+        """Param + grad + every state tensor of ``opt``, per param, measured from the tensors."""
+        total = sum(p.numel() * p.element_size() * 2 for p in self.params)
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+                elif hasattr(value, "__tensor_flatten__"):  # torchao's quantized state subclasses
+                    names, _ = value.__tensor_flatten__()
+                    total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+        return total / sum(p.numel() for p in self.params)
 
     def scaled(self, opt: torch.optim.Optimizer) -> Callable[[], None]:
         """opt.step() as a GradScaler with a fused-capable optimizer runs it."""
@@ -183,6 +252,14 @@ def peers_for(kind: str, dtype: torch.dtype, steps: Steps) -> dict[str, Callable
     }
     if dtype == torch.bfloat16:
         peers["fusedamp remainder"] = steps.fusedamp(kind, master_weights="remainder").step
+    dtype_name = next(name for name, d in DTYPES.items() if d == dtype)
+    if kind == "adamw":
+        for name, options in CODED_MODES.items():
+            if (dtype_name, name) in CODED_JOB_BYTES:
+                steps.coded[name] = steps.fusedamp(kind, **options)
+                peers[name] = steps.coded[name].step
+        if dtype == torch.float32:
+            peers.update(steps.eight_bit_peers())
     if dtype == torch.float32:
         peers.update(steps.torch_peers(kind))
     else:
@@ -201,6 +278,9 @@ def stream_peer(numel: int, device: str) -> tuple[Callable[[], object], int]:
 
 
 def job_bytes(kind: str, peer: str, dtype: torch.dtype, numel: int) -> int:
+    dtype_name = next(name for name, d in DTYPES.items() if d == dtype)
+    if (dtype_name, peer) in CODED_JOB_BYTES:
+        return numel * CODED_JOB_BYTES[(dtype_name, peer)]
     writes_grads = "scaled" in peer and "no grad write" not in peer
     return numel * (JOB_BYTES[kind] + (dtype.itemsize if writes_grads else 0))
 
@@ -214,6 +294,8 @@ def reference_peer(peer: str, dtype: torch.dtype) -> dict[str, str]:
         names = ["torch fused", "torch foreach", "deepspeed"]
     else:
         names = ["torch O2 recipe", "torch O2 recipe, flat", "deepspeed O2 recipe"]
+    if peer in CODED_MODES:
+        names = ["fusedamp", *names, "bitsandbytes AdamW8bit", "torchao AdamW8bit"]
     return {name: name for name in names}
 
 
@@ -258,6 +340,11 @@ def measure(
             "gbps": rate,
             "ceiling_gbps": copy_rate,
         }
+        if peer in steps.coded:
+            row["B/param at rest"] = steps.bytes_at_rest(steps.coded[peer])
+            if peer in CODED_MODES:
+                opt = steps.coded[peer]
+                row["moment B/param"] = (opt.state_bytes()["moments"] + opt.state_bytes()["scales"]) / numel
         if peer.startswith("fusedamp"):
             row["speedup"] = {
                 name: seconds[timed] / step_seconds
@@ -282,7 +369,10 @@ def main() -> None:
             for dtype_name in DTYPES:
                 rows += measure(kind, dtype_name, sizes, device, args.rounds, threads)
 
-    columns = ["optimizer", "dtype", "threads", "peer", "ms/step", "GB/s", "% copy", "% stream", "vs peers"]
+    columns = [
+        "optimizer", "dtype", "threads", "peer", "ms/step", "GB/s", "% copy", "% stream", "B/param at rest",
+        "vs peers",
+    ]
     print(f"\n{sum(sizes) / 1e6:.1f}M params in {len(sizes)} tensors on {device}; copy and stream "
           "bandwidth timed in turns with each group's steps; GB/s = the job's bytes (module "
           "docstring) / time\n")
@@ -310,6 +400,20 @@ def target_checks(rows: list[dict[str, Any]]) -> list[str]:
         if row["threads"] != most or not row["peer"].startswith("fusedamp"):
             continue
         label = f"{row['optimizer']} {row['dtype']} [{row['peer']}], {most} threads"
+        for name, target in CODED_TARGETS.get((row["dtype"], row["peer"]), {}).items():
+            if name in row["speedup"]:
+                speedup = row["speedup"][name]
+                verdict = "met" if speedup >= target else "MISSED"
+                lines.append(f"target {label}: {speedup:.2f}x {name} (>= {target}x): {verdict}")
+        if "int8" in row["peer"] and "moment B/param" in row:
+            verdict = "met" if row["moment B/param"] <= 2.1 else "MISSED"
+            moments = row["moment B/param"]
+            lines.append(f"target {label}: moments at rest {moments:.3f} B/param (<= 2.1): {verdict}")
+        bound = AT_REST_TARGETS.get((row["dtype"], row["peer"]))
+        if bound is not None:
+            at_rest = row["B/param at rest"]
+            verdict = "met" if at_rest <= bound else "MISSED"
+            lines.append(f"target {label}: {at_rest:.2f} B/param at rest in all (<= {bound}): {verdict}")
         if row["peer"] in ("fusedamp", "fusedamp remainder"):
             precision = "fp32" if row["dtype"] == "fp32" else "half"
             for name, target in TARGETS[(row["optimizer"], precision)].items():

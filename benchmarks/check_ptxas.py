@@ -59,7 +59,7 @@ def nvcc_command(nvcc: str, source: Path, archs: list[str], out: Path) -> list[s
         "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
         "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
         "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-        "-DFUSEDAMP_WITH_CUDA=1", "-Xptxas=-v", *gencode,
+        "--fmad=false", "-DFUSEDAMP_WITH_CUDA=1", "-Xptxas=-v", *gencode,
     ]
 
 

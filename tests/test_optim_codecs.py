@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import SUPPORTED_CPU_ISAS
+from conftest import SUPPORTED_CPU_ISAS, needs_cuda
 
 import fusedamp
 import fusedamp.ops as ops
@@ -276,3 +276,20 @@ def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
             **common,
         )
     assert param.eq(0).all() and step.eq(0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
+def test_cuda_gives_the_cpu_bits(optimizer, dtype, master_weights, moments) -> None:
+    # Both backends compile without FMA contraction and share the codec and the hash: codes,
+    # scales, params (stochastic ones included) and masters match bit for bit.
+    cpu_params, cpu_opt = run(optimizer, dtype, master_weights, moments)
+    params = [p.detach().cuda().requires_grad_() for p in make_params(dtype)]
+    opt = OPTIMIZERS[optimizer](params, master_weights=master_weights, moments=moments, seed=7)
+    for step in range(4):
+        set_grads(cpu_params, step)  # the same grads, made on the CPU
+        for param, cpu_param in zip(params, cpu_params, strict=True):
+            param.grad = cpu_param.grad.cuda()
+        opt.step()
+    assert_bitwise(snapshot(cpu_params, cpu_opt), [t.cpu() for t in snapshot(params, opt)])

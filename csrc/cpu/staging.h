@@ -447,13 +447,15 @@ template <DType P>
 }
 
 // The fp32 value an optimizer updates for one block of a param: the param itself (fp32), its fp32
-// master, or `tile` (a half param, joined with its remainder when it has one).
+// master (reseeded where the param was edited, [note: edited params]), or `tile` (a half param,
+// joined with its remainder when it has one).
 template <DType P, MasterKind M>
 [[gnu::always_inline]] inline float* stage_value_block(void* param, void* master, int64_t begin,
                                                        int64_t n, float* tile) {
   if constexpr (P == DType::kFloat32) {
     return static_cast<float*>(param) + begin;
   } else if constexpr (M == MasterKind::kFloat32) {
+    reseed_edited_masters<P>(static_cast<const uint16_t*>(param) + begin, static_cast<float*>(master) + begin, n);
     return static_cast<float*>(master) + begin;
   } else if constexpr (M == MasterKind::kRemainder) {
     remainder_tile_to_float(static_cast<const uint16_t*>(param) + begin,
@@ -511,17 +513,6 @@ template <typename Block>
   for (int64_t first = begin; first < end; first += kCodecBlock) {
     block(first, end - first < kCodecBlock ? end - first : kCodecBlock);
   }
-}
-
-// Calls fn(codec tag) for a call's state codec.
-template <typename Fn>
-inline void with_state_codec(StateCodec codec, Fn&& fn) {
-  switch (codec) {
-    case StateCodec::kFloat32: fn(std::integral_constant<StateCodec, StateCodec::kFloat32>{}); return;
-    case StateCodec::kBFloat16: fn(std::integral_constant<StateCodec, StateCodec::kBFloat16>{}); return;
-    case StateCodec::kInt8: fn(std::integral_constant<StateCodec, StateCodec::kInt8>{}); return;
-  }
-  fail_no_kernel("state codec", int32_t(codec));
 }
 
 }  // namespace FUSEDAMP_ISA

@@ -75,6 +75,11 @@ __global__ void __launch_bounds__(kBlockThreads)
 void adamw_cuda(const AdamWCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   check_host_lr_not_captured(call.inputs);
+  if (call.state_codec != StateCodec::kFloat32 || call.rounding.enabled) {
+    adamw_coded_cuda(call);
+    increment_steps(call.lists.pointers[kAdamWStep], call.inputs.found_inf);
+    return;
+  }
   const AdamWArgs args{call.inputs, call.hyper};
   with_float_dtype(call.param_dtype, [&](auto p) {
     with_float_dtype(call.grad_dtype, [&](auto g) {

@@ -6,7 +6,18 @@
 
 #include "fusedamp/step_inputs.h"
 
+namespace fusedamp {
+struct AdamWCall;
+struct SgdCall;
+}  // namespace fusedamp
+
 namespace fusedamp::cuda {
+
+// The update kernels of the coded modes ([note: state codecs]): bf16 / 8-bit states or
+// stochastically rounded params (cuda/adamw_coded.cu, cuda/sgd_coded.cu); the step counts are
+// left to the caller.
+void adamw_coded_cuda(const AdamWCall& call);
+void sgd_coded_cuda(const SgdCall& call);
 
 // Elements per thread per iteration of the optimizer kernels: with four to six lists per element
 // that is already 50-100 bytes in flight per thread (one 128-bit access per fp32 list), and the

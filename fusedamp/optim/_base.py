@@ -260,7 +260,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         dense copy of a param with gaps) where it is missing."""
         state = self.state[param]
         moments = bucket.group["moments"]
-        _codecs.convert(state, bucket.state_keys, moments, state_dtype(work_param.dtype))
+        # One look per step at the first moment's dtype: a state made or loaded in another codec.
+        first = state.get(bucket.state_keys[1]) if len(bucket.state_keys) > 1 else None
+        fp32_dtype = state_dtype(work_param.dtype)
+        if first is not None and first.dtype != _codecs.CODED_DTYPES.get(moments, fp32_dtype):
+            _codecs.convert(state, bucket.state_keys, moments, fp32_dtype)
         for key in bucket.state_keys:
             if key not in state:
                 state[key] = self._new_state(key, work_param, state, moments)

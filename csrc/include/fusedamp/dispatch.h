@@ -5,6 +5,7 @@
 
 #include <type_traits>
 
+#include "fusedamp/math/codec.h"
 #include "fusedamp/math/master.h"
 
 namespace fusedamp {
@@ -57,6 +58,17 @@ inline void with_master_kind(MasterKind kind, Fn&& fn) {
     }
   }
   fail_no_kernel("master kind", int32_t(kind), int32_t(P));
+}
+
+// Calls fn(std::integral_constant<StateCodec, codec>{}) for a call's state codec.
+template <typename Fn>
+inline void with_state_codec(StateCodec codec, Fn&& fn) {
+  switch (codec) {
+    case StateCodec::kFloat32: fn(std::integral_constant<StateCodec, StateCodec::kFloat32>{}); return;
+    case StateCodec::kBFloat16: fn(std::integral_constant<StateCodec, StateCodec::kBFloat16>{}); return;
+    case StateCodec::kInt8: fn(std::integral_constant<StateCodec, StateCodec::kInt8>{}); return;
+  }
+  fail_no_kernel("state codec", int32_t(codec));
 }
 
 template <typename Fn>

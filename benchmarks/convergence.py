@@ -1,0 +1,224 @@
+"""Convergence of the coded optimizer modes (issue 20) on real text: a small byte-level transformer
+language model trained on the Python standard library's own source files (present on every
+machine with Python), fp32 AdamW against each new mode, and plain bf16 params without a master
+as the control, over several seeds.
+
+Run from the repository root (minutes on 2 CPU cores):
+
+    python -m benchmarks.convergence [--steps 300] [--seeds 0 1 2] [--json PATH] [--plot PATH]
+
+Every run sees the same batches for a seed (the seed also sets the init), so the modes differ
+only in how the optimizer stores its state and rounds its params. The verdict: each new mode's
+final loss (the mean over the last 10% of steps) at most the worst fp32 run plus MARGIN (within
+the fp32 runs' seed spread plus the margin), and the control measurably worse: every control run
+above every fp32 run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fusedamp
+
+MODES: dict[str, dict[str, Any]] = {
+    "fp32 AdamW (fp32 params)": {"dtype": torch.float32, "options": {}},
+    "int8 moments, fp32 master": {"dtype": torch.bfloat16, "options": {"moments": "int8"}},
+    "int8 moments, remainder master": {
+        "dtype": torch.bfloat16,
+        "options": {"moments": "int8", "master_weights": "remainder"},
+    },
+    "int8 moments, stochastic bf16": {
+        "dtype": torch.bfloat16,
+        "options": {"moments": "int8", "master_weights": "stochastic"},
+    },
+    "bf16 moments, fp32 master": {"dtype": torch.bfloat16, "options": {"moments": "bf16"}},
+    "control: bf16 params, no master": {"dtype": torch.bfloat16, "options": {"master_weights": False}},
+}
+REFERENCE, CONTROL = "fp32 AdamW (fp32 params)", "control: bf16 params, no master"
+MARGIN = 0.005  # nats per byte: the allowance over the fp32 seed spread
+
+
+def corpus(limit_bytes: int = 4 << 20) -> torch.Tensor:
+    """The bytes of the standard library's .py files (sorted, so every machine reads the same
+    order for its Python version), up to ``limit_bytes``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    data = bytearray()
+    for path in sorted(root.glob("*.py")):
+        data += path.read_bytes()
+        if len(data) >= limit_bytes:
+            break
+    return torch.frombuffer(bytes(data[:limit_bytes]), dtype=torch.uint8).long()
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteLM(nn.Module):
+    """A GPT-style byte-level language model."""
+
+    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, context: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, width)
+        self.position = nn.Parameter(torch.randn(context, width) * 0.02)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 256)
+        self.register_buffer(
+            "mask", torch.triu(torch.full((context, context), -math.inf), 1), persistent=False
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        mask = self.mask[: tokens.shape[1], : tokens.shape[1]].to(x.dtype)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
+
+
+def train(
+    mode: str, seed: int, data: torch.Tensor, steps: int, batch: int, context: int, lr: float
+) -> list[float]:
+    spec = MODES[mode]
+    torch.manual_seed(seed)
+    model = ByteLM(context=context).to(spec["dtype"])
+    opt = fusedamp.FusedAdamW(model.parameters(), lr=lr, weight_decay=0.01, seed=seed, **spec["options"])
+    generator = torch.Generator().manual_seed(1000 + seed)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=generator)
+        window = torch.stack([data[s : s + context + 1] for s in starts.tolist()])
+        logits = model(window[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), window[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        # A short warm-up then cosine decay, as LM training runs use.
+        progress = (step + 1) / steps
+        for group in opt.param_groups:
+            group["lr"] = (
+                lr * min(1.0, (step + 1) / (0.05 * steps)) * 0.5 * (1 + math.cos(math.pi * progress))
+            )
+    return losses
+
+
+def final_loss(losses: list[float]) -> float:
+    tail = losses[-max(1, len(losses) // 10) :]
+    return sum(tail) / len(tail)
+
+
+def verdicts(finals: dict[str, list[float]]) -> list[str]:
+    reference = finals[REFERENCE]
+    spread = max(reference) - min(reference)
+    ceiling = max(reference) + MARGIN
+    lines = [
+        f"fp32 final losses {[round(v, 4) for v in reference]}: spread {spread:.4f}; bound max + {MARGIN}"
+    ]
+    for mode, values in finals.items():
+        if mode == REFERENCE:
+            continue
+        mean = sum(values) / len(values)
+        if mode == CONTROL:
+            worse = min(values) > max(reference)
+            verdict = "worse than every fp32 run, as expected" if worse else "NOT measurably worse"
+        else:
+            verdict = "within" if max(values) <= ceiling else "OUTSIDE"
+        lines.append(
+            f"{mode}: final {[round(v, 4) for v in values]} (mean {mean:.4f}): {verdict} (<= {ceiling:.4f})"
+        )
+    return lines
+
+
+def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for mode, runs in curves.items():
+        steps = len(runs[0])
+        window = max(1, steps // 30)
+        mean = [sum(run[i] for run in runs) / len(runs) for i in range(steps)]
+        smooth = [
+            sum(mean[max(0, i - window) : i + 1]) / len(mean[max(0, i - window) : i + 1])
+            for i in range(steps)
+        ]
+        axis.plot(smooth, label=mode, linestyle="--" if mode == CONTROL else "-")
+    axis.set_xlabel("step")
+    axis.set_ylabel(f"training loss (nats/byte, mean of {len(next(iter(curves.values())))} seeds, smoothed)")
+    axis.set_title("Byte-level LM on the Python standard library: FusedAdamW modes")
+    axis.legend()
+    axis.set_ylim(top=min(4.0, axis.get_ylim()[1]))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    data = corpus()
+    curves: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    start = time.perf_counter()
+    for seed in args.seeds:
+        for mode in MODES:
+            curves[mode].append(train(mode, seed, data, args.steps, args.batch, args.context, args.lr))
+            print(
+                f"seed {seed} {mode}: final {final_loss(curves[mode][-1]):.4f} "
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
+    finals = {mode: [final_loss(run) for run in runs] for mode, runs in curves.items()}
+    lines = verdicts(finals)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "corpus": f"{data.numel()} bytes of {sysconfig.get_paths()['stdlib']}/*.py (sorted)",
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "cpu": os.uname().machine,
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "margin": MARGIN,
+                    "final_losses": finals,
+                    "verdicts": lines,
+                    "curves": curves,
+                },
+                indent=1,
+            )
+        )
+    if args.plot:
+        plot(curves, args.plot)
+
+
+if __name__ == "__main__":
+    main()

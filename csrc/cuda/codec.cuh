@@ -1,0 +1,97 @@
+// The CUDA side of [note: block staging] (cpu/staging.h): a thread's E consecutive elements of an
+// optimizer state loaded as fp32 through the call's codec (math/codec.h) and stored back, the
+// scale of each 8-bit block reduced over the threads that share it.
+#pragma once
+
+#include "cuda/multi_tensor_apply.cuh"
+#include "fusedamp/math/codec.h"
+
+namespace fusedamp::cuda {
+
+template <StateCodec C>
+using codec_storage_t = std::conditional_t<C == StateCodec::kFloat32, float,
+                                           std::conditional_t<C == StateCodec::kBFloat16, uint16_t, uint8_t>>;
+
+// [note: coded iterations] A coded kernel walks its chunk in iterations of kBlockThreads * E
+// elements that every thread of the block takes part in (also past the chunk's end, with zeros),
+// because an 8-bit block's scale is a reduction over the kCodecBlock / E threads that own it:
+// thread t owns elements [E t, E t + E) of the iteration, so a codec block is a run of whole warps.
+template <int E>
+struct CodedIterations {
+  static constexpr int kElements = kBlockThreads * E;
+  static constexpr int kWarpsPerCodecBlock = int(kCodecBlock) / E / 32;
+  static_assert(kWarpsPerCodecBlock >= 1 && int(kCodecBlock) % (E * 32) == 0,
+                "a codec block must be whole warps");
+  static_assert(kElements % int(kCodecBlock) == 0, "an iteration must be whole codec blocks");
+};
+
+// The largest of `bits` over the threads of this thread's codec block. Every thread of the block
+// calls it, the same number of times.
+template <int E>
+__device__ __forceinline__ uint32_t codec_block_max(uint32_t bits) {
+  constexpr int kWarps = CodedIterations<E>::kWarpsPerCodecBlock;
+  __shared__ uint32_t warp_max[kBlockThreads / 32];
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  const int warp = int(threadIdx.x) / 32;
+  if (threadIdx.x % 32 == 0) warp_max[warp] = bits;
+  __syncthreads();
+  const int first_warp = warp - warp % kWarps;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) bits = max(bits, warp_max[first_warp + w]);
+  __syncthreads();  // the next call overwrites warp_max
+  return bits;
+}
+
+// E elements of one state in registers as fp32 (`values`), loaded from and stored to codec C.
+template <StateCodec C, bool kSigned, int E>
+struct StateGroup {
+  float values[E];
+  ElementGroup<codec_storage_t<C>, E> stored;
+
+  // chunk: the state at the chunk's first element; scales: the chunk's first scale (8-bit only).
+  __device__ __forceinline__ void load(const codec_storage_t<C>* chunk, const float* scales, int first,
+                                       int count, bool vector) {
+    stored.load(chunk, first, count, vector);
+    const float scale = C == StateCodec::kInt8 && first < count ? scales[first / int(kCodecBlock)] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      if constexpr (C == StateCodec::kFloat32) {
+        values[j] = stored.values[j];
+      } else if constexpr (C == StateCodec::kBFloat16) {
+        values[j] = bf16_to_float(stored.values[j]);
+      } else {
+        values[j] = decode_code<kSigned>(stored.values[j], scale);
+      }
+    }
+  }
+
+  // Every thread of the block calls it (an 8-bit block's scale is a block-wide reduction).
+  __device__ __forceinline__ void store(codec_storage_t<C>* chunk, float* scales, int first, int count,
+                                        bool vector) {
+    if constexpr (C == StateCodec::kInt8) {
+      uint32_t max_bits = 0;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        // Past the chunk's end the values are computed on zeros: they must not count.
+        const uint32_t bits = first + j < count ? finite_magnitude_bits(values[j]) : 0u;
+        max_bits = max(max_bits, bits);
+      }
+      const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits));
+#pragma unroll
+      for (int j = 0; j < E; ++j) stored.values[j] = encode_code<kSigned>(values[j], top);
+      if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = block_scale(top);
+    } else {
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        if constexpr (C == StateCodec::kFloat32) {
+          stored.values[j] = values[j];
+        } else {
+          stored.values[j] = float_to_bf16(values[j]);
+        }
+      }
+    }
+    stored.store(chunk, first, count, vector);
+  }
+};
+
+}  // namespace fusedamp::cuda
