@@ -28,8 +28,8 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
        true}};
   if (codec == StateCodec::kInt8 || !scales[0].tensors.empty()) {
     check_state_scales(op, codec, params, states, scales,
-                       {{params, "params"}, {grads, "grads", true, !grads_written}, {masters, "masters"},
-                        {steps, "steps"}});
+                       {{params, "params"}, {grads, "grads", true, !grads_written},
+                        {masters, "masters"}, {steps, "steps"}});
   }
   const std::vector<int64_t> ids = rounding_ids ? rounding_ids->vec() : std::vector<int64_t>();
   const bool stochastic = check_rounding_ids(op, lists, params.size(), ids);
