@@ -144,11 +144,14 @@ class Steps:
         total = sum(p.numel() * p.element_size() * 2 for p in self.params)
         for state in opt.state.values():
             for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    total += value.numel() * value.element_size()
-                elif hasattr(value, "__tensor_flatten__"):  # torchao's quantized state subclasses
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+                    # torchao's quantized states: a tensor subclass over its codes and scales.
                     names, _ = value.__tensor_flatten__()
                     total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in names)
+                else:
+                    total += value.numel() * value.element_size()
         return total / sum(p.numel() for p in self.params)
 
     def scaled(self, opt: torch.optim.Optimizer) -> Callable[[], None]:
