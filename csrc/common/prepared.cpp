@@ -87,10 +87,24 @@ using List = at::TensorList;
 using Optional = const c10::optional<at::Tensor>&;
 // The kernels' signatures (ops/*.cpp). One that no longer matches its schema's kernel makes
 // typed() throw, and the call goes boxed: slower, still right.
+using OptionalList = const c10::optional<at::TensorList>&;
+using OptionalInts = const c10::optional<at::IntArrayRef>&;
 using AdamwSignature = void(List, List, List, List, List, List, List, double, Optional, double,
-                            double, double, double, bool, bool, Optional, Optional, Optional, bool);
+                            double, double, double, bool, bool, Optional, Optional, Optional, bool,
+                            OptionalList, OptionalList, OptionalList, OptionalInts, int64_t);
 using SgdSignature = void(List, List, List, List, List, double, Optional, double, double, double,
-                          bool, bool, Optional, Optional, Optional, bool);
+                          bool, bool, Optional, Optional, Optional, bool, OptionalList, OptionalInts,
+                          int64_t);
+
+// What the optional list arguments of one unboxed call point into (the stack holds IValues).
+struct OwnedLists {
+  OwnedLists() {
+    tensors.reserve(8);
+    ints.reserve(8);
+  }
+  std::vector<std::vector<at::Tensor>> tensors;
+  std::vector<std::vector<int64_t>> ints;
+};
 using CheckAndNormSignature = void(List, const at::Tensor&, Optional, Optional);
 
 template <typename Signature>
@@ -108,10 +122,21 @@ struct Unboxed<void(Args...)> {
   }();
 
   template <size_t I>
-  static decltype(auto) argument(const std::vector<List>& lists, torch::jit::Stack& scalars) {
+  static decltype(auto) argument(const std::vector<List>& lists, torch::jit::Stack& scalars,
+                                 OwnedLists& owned) {
     using Arg = std::decay_t<std::tuple_element_t<I, std::tuple<Args...>>>;
     if constexpr (I < kLists) {
       return lists[I];
+    } else if constexpr (std::is_same_v<Arg, c10::optional<at::TensorList>>) {
+      const c10::IValue& value = scalars[I - kLists];
+      if (value.isNone()) return c10::optional<at::TensorList>();
+      owned.tensors.push_back(value.toTensorVector());
+      return c10::optional<at::TensorList>(owned.tensors.back());
+    } else if constexpr (std::is_same_v<Arg, c10::optional<at::IntArrayRef>>) {
+      const c10::IValue& value = scalars[I - kLists];
+      if (value.isNone()) return c10::optional<at::IntArrayRef>();
+      owned.ints.push_back(value.toIntVector());
+      return c10::optional<at::IntArrayRef>(owned.ints.back());
     } else {
       return scalars[I - kLists].to<Arg>();
     }
@@ -120,7 +145,8 @@ struct Unboxed<void(Args...)> {
   template <size_t... I>
   static void call(const c10::OperatorHandle& op, const std::vector<List>& lists,
                    torch::jit::Stack& scalars, std::index_sequence<I...>) {
-    op.typed<void(Args...)>().call(argument<I>(lists, scalars)...);
+    OwnedLists owned;
+    op.typed<void(Args...)>().call(argument<I>(lists, scalars, owned)...);
   }
 
   static void invoke(const c10::OperatorHandle& op, const std::vector<List>& lists,
