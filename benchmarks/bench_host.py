@@ -13,7 +13,6 @@ fusedamp step at most 0.6x the time of torch's, at 200 and at 2000 params.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,8 +22,8 @@ from benchmarks.common import (
     benchmark_args,
     environment,
     format_table,
-    synchronize,
     thread_counts,
+    time_round_robin,
     write_json,
 )
 
@@ -80,29 +79,9 @@ def peers_for(
     }
 
 
-def time_rounds(
-    peers: dict[str, Callable[[], Callable[[], None]]], device: str, rounds: int, warmup: int = 5
-) -> dict[str, list[float]]:
-    """Seconds per step of each peer, round-robin with the order rotating (as
-    common.time_round_robin), only the step itself timed."""
-    samples: dict[str, list[float]] = {name: [] for name in peers}
-    names = list(peers)
-    for round_index in range(warmup + rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            step = peers[name]()
-            synchronize(device)
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            if round_index >= warmup:
-                samples[name].append(time.perf_counter() - start)
-    return samples
-
-
 def measure(kind: str, count: int, scaled: bool, device: str, rounds: int, threads: int) -> list[dict]:
     peers = peers_for(kind, count, device, scaled)
-    samples = time_rounds(peers, device, rounds)
+    samples = time_round_robin(peers, device, rounds, warmup=5, prepared=True)
     ours, theirs = samples["fusedamp"], samples[f"torch {kind}(fused=True)"]
     clean = {name: [t <= DISTURBANCE * min(times) for t in times] for name, times in samples.items()}
     medians = {

@@ -43,18 +43,19 @@ def synchronize(device: str) -> None:
 
 
 def time_round_robin(
-    peers: dict[str, Callable[[], object]], device: str, rounds: int, warmup: int = 3
+    peers: dict[str, Callable[[], object]], device: str, rounds: int, warmup: int = 3, prepared: bool = False
 ) -> dict[str, list[float]]:
-    """Seconds per call of every peer, ``rounds`` samples each. The peers take turns, one call
-    each per round, so that load from elsewhere on the machine hits all of them alike; the order
-    rotates from round to round, so that no peer always runs right after the same one (a step
-    that leaves megabytes of dirty cache lines slows whichever step comes next)."""
+    """Seconds per call of every peer, ``rounds`` samples each (``prepared``: each peer is called
+    untimed first and returns the call to time, so that its set-up stays out). The peers take
+    turns, one call each per round, so that load from elsewhere on the machine hits all of them
+    alike; the order rotates from round to round, so that no peer always runs right after the same
+    one (a step that leaves megabytes of dirty cache lines slows whichever step comes next)."""
     samples: dict[str, list[float]] = {name: [] for name in peers}
     names = list(peers)
     for round_index in range(warmup + rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            run = peers[name]
+            run = peers[name]() if prepared else peers[name]
             synchronize(device)
             start = time.perf_counter()
             run()
