@@ -410,6 +410,232 @@ template <DType P, DType G, MasterKind M, typename Pointers>
 namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 
+// [note: vector codes] codec.h's encode_code and decode_code, a vector at a time: the same integer
+// steps on the fp32 bit patterns, so the codes are bitwise those of the element functions (which
+// the baseline build and each tile's tail use). g++ vectorized the element loops into 64-lane byte
+// shuffles with register spills: the int8 AdamW step took twice the fp32-moment one.
+#if FUSEDAMP_F16C_LANES == 16
+constexpr int64_t kCodeLanes = 16;
+using CodeLanes = __m512i;
+[[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
+  return _mm512_maskz_cvtepu8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
+[[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_maskz_cvtepi32_epi8(__mmask16(0xffff), lanes));
+}
+[[gnu::always_inline]] inline CodeLanes lanes_of(uint32_t value) { return _mm512_set1_epi32(int32_t(value)); }
+[[gnu::always_inline]] inline CodeLanes load_bit_lanes(const float* values) {
+  return _mm512_castps_si512(_mm512_loadu_ps(values));
+}
+// a where `pick` (a lane mask from the comparisons below), else b.
+using LaneMask = __mmask16;
+[[gnu::always_inline]] inline CodeLanes select_lanes(LaneMask pick, CodeLanes a, CodeLanes b) {
+  return _mm512_mask_blend_epi32(pick, b, a);
+}
+[[gnu::always_inline]] inline LaneMask lanes_at_least(CodeLanes a, uint32_t bound) {
+  return _mm512_cmpge_epi32_mask(a, lanes_of(bound));
+}
+[[gnu::always_inline]] inline LaneMask lanes_equal(CodeLanes a, uint32_t value) {
+  return _mm512_cmpeq_epi32_mask(a, lanes_of(value));
+}
+[[gnu::always_inline]] inline LaneMask lanes_below(CodeLanes a, uint32_t bound) {
+  return _mm512_cmplt_epi32_mask(a, lanes_of(bound));
+}
+[[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) { return _mm512_test_epi32_mask(a, a); }
+[[gnu::always_inline]] inline LaneMask no_lanes() { return 0; }
+[[gnu::always_inline]] inline bool any_lane(LaneMask m) { return m != 0; }
+[[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return a & b; }
+[[gnu::always_inline]] inline CodeLanes shift_right(CodeLanes a, int bits) {
+  return _mm512_maskz_srli_epi32(__mmask16(0xffff), a, bits);  // the maskz forms: see fp16_tile_to_float
+}
+[[gnu::always_inline]] inline CodeLanes shift_left(CodeLanes a, int bits) {
+  return _mm512_maskz_slli_epi32(__mmask16(0xffff), a, bits);
+}
+[[gnu::always_inline]] inline CodeLanes add_lanes(CodeLanes a, CodeLanes b) { return _mm512_add_epi32(a, b); }
+[[gnu::always_inline]] inline CodeLanes sub_lanes(CodeLanes a, CodeLanes b) { return _mm512_sub_epi32(a, b); }
+[[gnu::always_inline]] inline CodeLanes and_lanes(CodeLanes a, CodeLanes b) { return _mm512_and_si512(a, b); }
+[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm512_or_si512(a, b); }
+[[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_maskz_min_epi32(__mmask16(0xffff), a, b);
+}
+[[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_maskz_max_epi32(__mmask16(0xffff), a, b);  // the maskz forms: see fp16_tile_to_float
+}
+[[gnu::always_inline]] inline uint32_t max_of_lanes(CodeLanes a) {
+  const __m256i half = _mm256_max_epi32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
+                                        _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
+[[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
+  return _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(b)));
+}
+[[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
+  _mm512_storeu_ps(values, _mm512_castsi512_ps(a));
+}
+#elif FUSEDAMP_F16C_LANES == 8
+constexpr int64_t kCodeLanes = 8;
+using CodeLanes = __m256i;
+[[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+}
+[[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
+  // The low byte of each 32-bit lane to the low 4 bytes of its 128-bit half, then both halves joined.
+  const __m256i gather = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(lanes, gather);
+  const __m128i joined = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), joined);
+}
+[[gnu::always_inline]] inline CodeLanes lanes_of(uint32_t value) { return _mm256_set1_epi32(int32_t(value)); }
+[[gnu::always_inline]] inline CodeLanes load_bit_lanes(const float* values) {
+  return _mm256_castps_si256(_mm256_loadu_ps(values));
+}
+// Comparisons give all-ones lanes; every value compared here is below 2^31, so signed compares
+// order them as codec.h's unsigned ones do.
+using LaneMask = __m256i;
+[[gnu::always_inline]] inline CodeLanes select_lanes(LaneMask pick, CodeLanes a, CodeLanes b) {
+  return _mm256_blendv_epi8(b, a, pick);
+}
+[[gnu::always_inline]] inline LaneMask lanes_at_least(CodeLanes a, uint32_t bound) {
+  return _mm256_cmpgt_epi32(a, lanes_of(bound - 1));
+}
+[[gnu::always_inline]] inline LaneMask lanes_equal(CodeLanes a, uint32_t value) {
+  return _mm256_cmpeq_epi32(a, lanes_of(value));
+}
+[[gnu::always_inline]] inline LaneMask lanes_below(CodeLanes a, uint32_t bound) {
+  return _mm256_cmpgt_epi32(lanes_of(bound), a);
+}
+[[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) {
+  return _mm256_xor_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), lanes_of(0xffffffffu));
+}
+[[gnu::always_inline]] inline LaneMask no_lanes() { return _mm256_setzero_si256(); }
+[[gnu::always_inline]] inline bool any_lane(LaneMask m) { return !_mm256_testz_si256(m, m); }
+[[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return _mm256_and_si256(a, b); }
+[[gnu::always_inline]] inline CodeLanes shift_right(CodeLanes a, int bits) { return _mm256_srli_epi32(a, bits); }
+[[gnu::always_inline]] inline CodeLanes shift_left(CodeLanes a, int bits) { return _mm256_slli_epi32(a, bits); }
+[[gnu::always_inline]] inline CodeLanes add_lanes(CodeLanes a, CodeLanes b) { return _mm256_add_epi32(a, b); }
+[[gnu::always_inline]] inline CodeLanes sub_lanes(CodeLanes a, CodeLanes b) { return _mm256_sub_epi32(a, b); }
+[[gnu::always_inline]] inline CodeLanes and_lanes(CodeLanes a, CodeLanes b) { return _mm256_and_si256(a, b); }
+[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm256_or_si256(a, b); }
+[[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) { return _mm256_min_epi32(a, b); }
+[[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epi32(a, b); }
+[[gnu::always_inline]] inline uint32_t max_of_lanes(CodeLanes a) {
+  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
+[[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
+  return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(b)));
+}
+[[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
+  _mm256_storeu_ps(values, _mm256_castsi256_ps(a));
+}
+#else
+constexpr int64_t kCodeLanes = 0;
+#endif
+
+#if FUSEDAMP_F16C_LANES
+// encode_code on a vector of fp32 bit patterns, with the block's offset (top - kTopExponent) * 8 in
+// every lane. kNormalBlock: top > kTopExponent, where a value below fp32's normal range rounds to
+// at most 0x87ffff, so its code is below 8 and `code >= 8` alone decides what a value keeps (the
+// blocks of any real moment; the others, all-zero ones included, take the general form).
+template <bool kSigned, bool kNormalBlock>
+[[gnu::always_inline]] inline CodeLanes encode_code_lanes(CodeLanes bits, CodeLanes offset, bool top_nonzero) {
+  using Code = BlockCode<kSigned>;
+  const CodeLanes magnitude = and_lanes(bits, lanes_of(0x7fffffffu));
+  const CodeLanes odd = and_lanes(shift_right(magnitude, 20), lanes_of(1));
+  const CodeLanes rounded = add_lanes(add_lanes(magnitude, lanes_of(0x7ffffu)), odd);
+  const CodeLanes code = min_lanes(sub_lanes(shift_right(rounded, 20), offset), lanes_of(Code::kMagnitudeMask));
+  CodeLanes result;
+  if constexpr (kNormalBlock && kSigned) {
+    result = select_lanes(lanes_at_least(code, 8), code, lanes_of(0));
+  } else if constexpr (kNormalBlock) {
+    result = select_lanes(lanes_nonzero(magnitude), max_lanes(code, lanes_of(Code::kSmallest)), lanes_of(0));
+  } else {
+    const LaneMask representable =
+        top_nonzero ? both(lanes_at_least(code, 8), lanes_at_least(magnitude, 0x00800000u)) : no_lanes();
+    const CodeLanes flushed =
+        kSigned ? lanes_of(0) : select_lanes(lanes_nonzero(magnitude), lanes_of(Code::kSmallest), lanes_of(0));
+    result = select_lanes(representable, code, flushed);
+  }
+  const LaneMask non_finite = lanes_at_least(magnitude, 0x7f800000u);
+  if (any_lane(non_finite)) {
+    const CodeLanes special =
+        select_lanes(lanes_equal(magnitude, 0x7f800000u), lanes_of(Code::kInf), lanes_of(Code::kNan));
+    result = select_lanes(non_finite, special, result);
+  }
+  if constexpr (kSigned) result = or_lanes(result, and_lanes(shift_right(bits, 24), lanes_of(0x80u)));
+  return result;
+}
+
+// decode_code on a vector of codes (one per 32-bit lane), as fp32 bit patterns.
+template <bool kSigned>
+[[gnu::always_inline]] inline CodeLanes decode_code_lanes(CodeLanes codes, float scale) {
+  using Code = BlockCode<kSigned>;
+  const CodeLanes magnitude = and_lanes(codes, lanes_of(Code::kMagnitudeMask));
+  const CodeLanes relative =
+      add_lanes(shift_left(magnitude, 20), lanes_of(uint32_t(127 - Code::kTopExponent) << 23));
+  CodeLanes result = mul_as_floats(relative, scale);
+  const LaneMask special = lanes_below(magnitude, 8);
+  if (any_lane(special)) {
+    const CodeLanes nan_or_inf =
+        select_lanes(lanes_equal(magnitude, Code::kNan), lanes_of(0x7fc00000u), lanes_of(0x7f800000u));
+    result = select_lanes(special, select_lanes(lanes_equal(magnitude, 0), lanes_of(0), nan_or_inf), result);
+  }
+  if constexpr (kSigned) result = or_lanes(result, shift_left(and_lanes(codes, lanes_of(0x80u)), 24));
+  return result;
+}
+#endif
+
+// A whole block (n <= kCodecBlock values) to codes: the scale from the block's largest finite
+// magnitude, then every code.
+template <bool kSigned>
+[[gnu::always_inline]] inline void encode_state_tile(const float* values, int64_t n, uint8_t* codes, float* scale) {
+  int64_t i = 0;
+  uint32_t max_bits = 0;
+#if FUSEDAMP_F16C_LANES
+  CodeLanes largest = lanes_of(0);
+  for (; i + kCodeLanes <= n; i += kCodeLanes) {
+    const CodeLanes magnitude = and_lanes(load_bit_lanes(values + i), lanes_of(0x7fffffffu));
+    const CodeLanes finite = select_lanes(lanes_below(magnitude, 0x7f800000u), magnitude, lanes_of(0));
+    largest = max_lanes(largest, finite);
+  }
+  max_bits = max_of_lanes(largest);
+#endif
+  for (; i < n; ++i) max_bits = std::max(max_bits, finite_magnitude_bits(values[i]));
+  const uint32_t top = block_top_exponent(max_bits);
+  i = 0;
+#if FUSEDAMP_F16C_LANES
+  const CodeLanes offset = lanes_of(uint32_t(int32_t(top) - BlockCode<kSigned>::kTopExponent) * 8u);
+  if (top > uint32_t(BlockCode<kSigned>::kTopExponent)) {
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      store_code_lanes(codes + i, encode_code_lanes<kSigned, true>(load_bit_lanes(values + i), offset, true));
+    }
+  } else {
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      store_code_lanes(codes + i, encode_code_lanes<kSigned, false>(load_bit_lanes(values + i), offset, top != 0));
+    }
+  }
+#endif
+  for (; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top);
+  *scale = block_scale(top);
+}
+
+template <bool kSigned>
+[[gnu::always_inline]] inline void decode_state_tile(const uint8_t* codes, float scale, int64_t n, float* values) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  for (; i + kCodeLanes <= n; i += kCodeLanes) {
+    store_bit_lanes(values + i, decode_code_lanes<kSigned>(load_code_lanes(codes + i), scale));
+  }
+#endif
+  for (; i < n; ++i) values[i] = decode_code<kSigned>(codes[i], scale);
+}
+
 // A state's values of one block as fp32: the state itself when it is fp32, else `tile` decoded.
 template <StateCodec C, bool kSigned>
 [[gnu::always_inline]] inline float* stage_state_block(void* state, const float* scales, int64_t begin,
@@ -419,7 +645,7 @@ template <StateCodec C, bool kSigned>
   } else if constexpr (C == StateCodec::kBFloat16) {
     bf16_tile_to_float(static_cast<const uint16_t*>(state) + begin, tile, n);
   } else {
-    decode_block<kSigned>(static_cast<const uint8_t*>(state) + begin, scales[begin / kCodecBlock], n, tile);
+    decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + begin, scales[begin / kCodecBlock], n, tile);
   }
   return tile;
 }
@@ -431,7 +657,7 @@ template <StateCodec C, bool kSigned>
   if constexpr (C == StateCodec::kBFloat16) {
     float_tile_to_bf16(tile, static_cast<uint16_t*>(state) + begin, n, false);
   } else if constexpr (C == StateCodec::kInt8) {
-    encode_block<kSigned>(tile, n, static_cast<uint8_t*>(state) + begin, scales + begin / kCodecBlock);
+    encode_state_tile<kSigned>(tile, n, static_cast<uint8_t*>(state) + begin, scales + begin / kCodecBlock);
   }
 }
 

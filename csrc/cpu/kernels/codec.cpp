@@ -1,8 +1,8 @@
 // CPU kernels of encode_state and decode_state (built once per ISA, see setup.py): block loops
-// over math/codec.h, run in parallel by the drivers.
+// over the vector codes of cpu/staging.h, run in parallel by the drivers.
 #include "ops/codec.h"
 
-#include "fusedamp/math/codec.h"
+#include "cpu/staging.h"
 
 namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
@@ -20,9 +20,9 @@ void for_blocks(const Call& call, int64_t first_block, int64_t end_block, Block&
 void encode_chunk(const EncodeStateCall& call, int64_t first_block, int64_t end_block) {
   for_blocks(call, first_block, end_block, [&](int64_t b, int64_t begin, int64_t n) {
     if (call.is_signed) {
-      encode_block<true>(call.values + begin, n, call.codes + begin, call.scales + b);
+      encode_state_tile<true>(call.values + begin, n, call.codes + begin, call.scales + b);
     } else {
-      encode_block<false>(call.values + begin, n, call.codes + begin, call.scales + b);
+      encode_state_tile<false>(call.values + begin, n, call.codes + begin, call.scales + b);
     }
   });
 }
@@ -30,9 +30,9 @@ void encode_chunk(const EncodeStateCall& call, int64_t first_block, int64_t end_
 void decode_chunk(const DecodeStateCall& call, int64_t first_block, int64_t end_block) {
   for_blocks(call, first_block, end_block, [&](int64_t b, int64_t begin, int64_t n) {
     if (call.is_signed) {
-      decode_block<true>(call.codes + begin, call.scales[b], n, call.values + begin);
+      decode_state_tile<true>(call.codes + begin, call.scales[b], n, call.values + begin);
     } else {
-      decode_block<false>(call.codes + begin, call.scales[b], n, call.values + begin);
+      decode_state_tile<false>(call.codes + begin, call.scales[b], n, call.values + begin);
     }
   });
 }

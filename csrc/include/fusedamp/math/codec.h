@@ -103,26 +103,4 @@ FUSEDAMP_HOST_DEVICE float decode_code(uint8_t code, float scale) {
   return float_from_bits(result);
 }
 
-// A whole block on the host (n <= kCodecBlock values): the scale from the block's largest finite
-// magnitude, then every code. Both loops are plain element loops that g++ vectorizes.
-template <bool kSigned>
-FUSEDAMP_HOST_DEVICE void encode_block(const float* values, int64_t n, uint8_t* codes, float* scale) {
-  uint32_t max_bits = 0;
-#pragma omp simd reduction(max : max_bits)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t bits = finite_magnitude_bits(values[i]);
-    max_bits = bits > max_bits ? bits : max_bits;
-  }
-  const uint32_t top = block_top_exponent(max_bits);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top);
-  *scale = block_scale(top);
-}
-
-template <bool kSigned>
-FUSEDAMP_HOST_DEVICE void decode_block(const uint8_t* codes, float scale, int64_t n, float* values) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) values[i] = decode_code<kSigned>(codes[i], scale);
-}
-
 FUSEDAMP_NAMESPACE_END
