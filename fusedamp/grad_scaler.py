@@ -171,15 +171,19 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if state["stage"] is OptState.READY:
-                state["found_inf_per_device"] = self._check_grads(optimizer)
-                _combine_ranks(state["found_inf_per_device"], optimizer)
-            optimizer.grad_scale = None if state["stage"] is OptState.UNSCALED else self._scale
-            optimizer.found_inf = _combine(state["found_inf_per_device"].values(), self._scale.device)
             try:
+                if state["stage"] is OptState.READY:
+                    state["found_inf_per_device"] = self._check_grads(optimizer)
+                    _combine_ranks(state["found_inf_per_device"], optimizer)
+                optimizer.grad_scale = None if state["stage"] is OptState.UNSCALED else self._scale
+                optimizer.found_inf = _combine(state["found_inf_per_device"].values(), self._scale.device)
                 result = optimizer.step(*args, **kwargs)
             finally:
-                del optimizer.grad_scale, optimizer.found_inf
+                optimizer.__dict__.pop("grad_scale", None)
+                optimizer.__dict__.pop("found_inf", None)
+                # The step plan the read-only pass checked is trusted by this step only.
+                if "_checked_plan" in optimizer.__dict__:
+                    optimizer._checked_plan = None
             state["stage"] = OptState.STEPPED
             return result
 

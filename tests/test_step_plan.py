@@ -40,7 +40,7 @@ class Twins:
         self.fused = fused_cls(self.params, **options)
         if unplanned_ref:  # where torch.optim refuses the change: the same class without a plan
             self.ref = fused_cls(self.refs, **options)
-            self.ref._planned_buckets = self.ref._buckets
+            self.ref._planned_buckets = lambda checked=None: self.ref._buckets()
         else:
             self.ref = TORCH_OF[fused_cls](self.refs, **options, foreach=False)
         self.with_grad = list(range(len(SIZES)))
@@ -313,3 +313,59 @@ def test_planned_steps_bump_the_versions_of_what_they_write(fused_cls) -> None:
     twins.step(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         product.backward()
+
+
+@BOTH
+def test_a_scaled_step_checks_its_plan_once(fused_cls, monkeypatch) -> None:
+    """fusedamp.GradScaler.step() runs the read-only pass, then step(): the plan the pass found
+    fitting is not checked again by the scaler's mesh question or by the step."""
+    from fusedamp.optim._plan import StepPlan
+
+    twins = Twins(fused_cls)
+    scaler = fusedamp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    for param in twins.params:
+        param.grad = torch.randn(param.shape, generator=twins.generator)
+    scaler.step(twins.fused)  # builds the plan
+    scaler.update()
+    checks: list[int] = []
+    real = StepPlan.fits
+    monkeypatch.setattr(StepPlan, "fits", lambda plan, opt: checks.append(1) or real(plan, opt))
+    for _ in range(3):
+        for param in twins.params:
+            param.grad = torch.randn(param.shape, generator=twins.generator)
+        scaler.step(twins.fused)
+        scaler.update()
+    assert len(checks) == 3
+    assert twins.fused._checked_plan is None
+
+
+@BOTH
+def test_a_checked_plan_is_forgotten_when_the_scaled_step_fails(fused_cls, monkeypatch) -> None:
+    """A failure between the read-only pass and step() (here: in the scaler's look at the ranks)
+    leaves no trusted plan behind: a param replaced afterwards is seen by the next step."""
+    import fusedamp.grad_scaler as grad_scaler
+
+    twins = Twins(fused_cls, unplanned_ref=True)
+    twins.step(2)
+    scaler = fusedamp.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))
+
+    def failing(*args: Any) -> None:
+        raise RuntimeError("rank check failed")
+
+    monkeypatch.setattr(grad_scaler, "_combine_ranks", failing)
+    for param in twins.params:
+        param.grad = torch.randn(param.shape, generator=twins.generator)
+    with pytest.raises(RuntimeError, match="rank check failed"):
+        scaler.step(twins.fused)
+    assert twins.fused._checked_plan is None
+    assert not hasattr(twins.fused, "grad_scale") and not hasattr(twins.fused, "found_inf")
+    fresh = torch.randn(SIZES[1], generator=twins.generator)
+    twins.params[1] = fresh.clone().requires_grad_()
+    twins.refs[1] = fresh.clone().requires_grad_()
+    twins.fused.param_groups[0]["params"][1] = twins.params[1]
+    twins.ref.param_groups[0]["params"][1] = twins.refs[1]
+    twins.step(1)
+    twins.check()
+    assert twins.fused.state[twins.params[1]]["step"].item() == 1.0

@@ -99,6 +99,9 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         # Set by _fusedamp_check_grads, used (once) by the step that follows it.
         self._pending_clip_coef: Tensor | None = None
         self._plan: StepPlan | None = None  # the buckets of the last step (_plan.py)
+        # The plan a GradScaler's read-only pass found fitting, trusted by the step() it runs
+        # right after without checking it again (fusedamp.GradScaler.step clears it).
+        self._checked_plan: StepPlan | None = None
 
     # Whether sparse grads are taken (torch.optim.SGD takes them, AdamW refuses them).
     _takes_sparse_grads = False
@@ -133,7 +136,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._plan = None
+        self._plan = self._checked_plan = None
         group = self.param_groups[-1]
         mode = group["master_weights"]
         if mode not in (True, False, "remainder", "stochastic"):
@@ -190,7 +193,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         super().__setstate__(state)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
-        self._plan = None
+        self._plan = self._checked_plan = None
         # Groups loaded from a torch.optim state_dict lack fusedamp's own options.
         for group in self.param_groups:
             for key, value in self.defaults.items():
@@ -297,7 +300,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         state_dict) are made from the params at the next step.
         """
         super().load_state_dict(state_dict)
-        self._plan = None
+        self._plan = self._checked_plan = None
         # torch casts every floating state tensor to its param's dtype, which would round the
         # fp32 moments and masters of half params: redo the cast from the saved values.
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -397,7 +400,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._check_hyperparameters()
-        buckets = self._planned_buckets()
+        checked, self._checked_plan = self._checked_plan, None
+        buckets = self._planned_buckets(checked)
         clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
         if clip_coef is None and self.max_grad_norm is not None and buckets:
             _, sums = self._check_and_norm(inv_scale)
@@ -439,13 +443,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     )
                 yield group, param, grad
 
-    def _planned_buckets(self) -> list[Bucket]:
-        """The buckets of this step: the step plan's while it fits (see _plan.py), else new ones
-        (and a new plan of them)."""
+    def _planned_buckets(self, checked: StepPlan | None = None) -> list[Bucket]:
+        """The buckets of this step: the step plan's while it fits (see _plan.py; `checked`: a
+        plan found fitting by the read-only pass just before), else new ones (and their plan)."""
         if torch.compiler.is_compiling():
             return self._buckets()
         plan = self._plan
-        if plan is not None and plan.fits(self):
+        if plan is not None and (plan is checked or plan.fits(self)):
             return plan.buckets
         buckets = self._buckets()
         self._plan = StepPlan.build(self, buckets)
@@ -496,7 +500,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (``grad * inv_scale``), and the next step() clips with it instead of reading the
         grads again.
         """
-        found, sums = self._check_and_norm(inv_scale)
+        found, sums = self._check_and_norm(inv_scale, remember_plan=True)
         if self.max_grad_norm is not None and sums:
             self._pending_clip_coef = self._clip_coef(sums)
         return found
@@ -505,13 +509,19 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         """Whether every grad is known to be a plain tensor (no DTensor): true while the step
         plan fits. fusedamp.GradScaler then skips its look for device meshes."""
         plan = self._plan
-        return plan is not None and not torch.compiler.is_compiling() and plan.fits(self)
+        if plan is None or torch.compiler.is_compiling():
+            return False
+        return plan is self._checked_plan or plan.fits(self)
 
     def _check_and_norm(
-        self, inv_scale: Tensor | None
+        self, inv_scale: Tensor | None, remember_plan: bool = False
     ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+        """found_inf (and the squared-norm sums) per device; `remember_plan`: a step plan found
+        fitting is trusted by the next step() (see _checked_plan)."""
         with_norm = self.max_grad_norm is not None
         if self._fusedamp_plain_grads():
+            if remember_plan:
+                self._checked_plan = self._plan
             return self._plan.check_and_norm(inv_scale, with_norm)
         grads = ((grad, param.device) for _, param, grad in self._grads())
         return check_and_norm(grads, inv_scale, with_norm)

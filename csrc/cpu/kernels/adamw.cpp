@@ -38,7 +38,17 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
     });
     finish_param_stream<M>(stream_params);
   } else {
-    adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, begin, end);
+    // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
+    for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+      if (kAmsgrad) {
+        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
+                                                      tensor.exp_avg, tensor.exp_avg_sq, tensor.max_exp_avg_sq);
+      } else {
+        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
+                                                      tensor.exp_avg, tensor.exp_avg_sq);
+      }
+      adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, first, first + n);
+    });
   }
 }
 
@@ -67,6 +77,11 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock];
   alignas(64) float exp_avg_tile[kCodecBlock], exp_avg_sq_tile[kCodecBlock], max_tile[kCodecBlock];
   for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+    if (kAmsgrad) {
+      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq);
+    } else {
+      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, exp_avg, exp_avg_sq);
+    }
     float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
     float* g = stage_grad_block<G>(grad, first, n, grad_tile);
     float* m = stage_state_block<C, true>(exp_avg, exp_avg_scales, first, n, exp_avg_tile);

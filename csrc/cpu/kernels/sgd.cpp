@@ -35,7 +35,16 @@ void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float m
     });
     finish_param_stream<M>(stream_params);
   } else {
-    sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, begin, end);
+    // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
+    for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+      if (kHasMomentum) {
+        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
+                                                      tensor.momentum_buffer);
+      } else {
+        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad);
+      }
+      sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, first, first + n);
+    });
   }
 }
 
@@ -59,6 +68,11 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
   }
   alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock], buffer_tile[kCodecBlock];
   for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+    if (kHasMomentum) {
+      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, buffer);
+    } else {
+      prefetch_ahead<P, G, M, C>(first, end, param, master, grad);
+    }
     float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
     float* g = stage_grad_block<G>(grad, first, n, grad_tile);
     float* b = kHasMomentum ? stage_state_block<C, true>(buffer, buffer_scales, first, n, buffer_tile)
