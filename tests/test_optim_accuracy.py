@@ -69,7 +69,8 @@ TE_OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
 @pytest.mark.parametrize("master_weights", [True, "remainder"])
 def test_transformer_engine_aggressive_settings_int8_moments(master_weights: bool | str) -> None:
     generator = torch.Generator().manual_seed(3)
-    params = [(torch.randn(s, generator=generator) * 0.02).to(torch.bfloat16).requires_grad_() for s in TE_SHAPES]
+    initial = [torch.randn(shape, generator=generator) * 0.02 for shape in TE_SHAPES]
+    params = [value.to(torch.bfloat16).requires_grad_() for value in initial]
     references = [p.detach().float().clone().requires_grad_() for p in params]
     torch_opt = torch.optim.Adam(references, **TE_OPTIONS)
     numel = sum(p.numel() for p in params)
