@@ -22,6 +22,7 @@ from benchmarks.common import (
     benchmark_args,
     environment,
     format_table,
+    round_ratio_range,
     thread_counts,
     time_round_robin,
     write_json,
@@ -82,21 +83,12 @@ def peers_for(
 def measure(kind: str, count: int, scaled: bool, device: str, rounds: int, threads: int) -> list[dict]:
     peers = peers_for(kind, count, device, scaled)
     samples = time_round_robin(peers, device, rounds, warmup=5, prepared=True)
-    ours, theirs = samples["fusedamp"], samples[f"torch {kind}(fused=True)"]
     clean = {name: [t <= DISTURBANCE * min(times) for t in times] for name, times in samples.items()}
     medians = {
         name: statistics.median(t for t, ok in zip(times, clean[name], strict=True) if ok)
         for name, times in samples.items()
     }
-    # Per-round ratios over the rounds where neither sample was disturbed.
-    both = [
-        a / b
-        for a, b, ok_a, ok_b in zip(
-            ours, theirs, clean["fusedamp"], clean[f"torch {kind}(fused=True)"], strict=True
-        )
-        if ok_a and ok_b
-    ]
-    both.sort()
+    spread = round_ratio_range(samples, "fusedamp", f"torch {kind}(fused=True)", DISTURBANCE)
     case = f"{kind} step, {count} params of {ELEMENTS}{' + GradScaler' if scaled else ''}, {threads} threads"
     kept = min(sum(flags) for flags in clean.values())
     rows = []
@@ -113,9 +105,7 @@ def measure(kind: str, count: int, scaled: bool, device: str, rounds: int, threa
         }
         if name == "fusedamp":
             row["time vs torch"] = medians["fusedamp"] / medians[f"torch {kind}(fused=True)"]
-            # The 10th to 90th percentile of the per-round ratios (all of them under 10 rounds).
-            low, high = (both[len(both) // 10], both[-1 - len(both) // 10]) if both else (None, None)
-            row["round ratios"] = f"{low:.2f}-{high:.2f}" if both else "n/a"
+            row["round ratios"] = f"{spread[0]:.2f}-{spread[1]:.2f}" if spread else "n/a"
         rows.append(row)
     return rows
 

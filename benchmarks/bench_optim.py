@@ -41,6 +41,7 @@ from benchmarks.common import (
     environment,
     format_table,
     gigabytes_per_second,
+    round_ratio_range,
     stable_medians,
     thread_counts,
     time_round_robin,
@@ -315,7 +316,8 @@ def measure(
     # minutes, and a ceiling measured apart from the steps could come from the other speed.
     peers[COPY], copy_bytes = copy_peer(numel * 4, device)
     peers[STREAM], stream_bytes = stream_peer(numel, device)
-    seconds, kept = stable_medians(time_round_robin(peers, device, rounds))
+    samples = time_round_robin(peers, device, rounds)
+    seconds, kept = stable_medians(samples)
     copy_rate = gigabytes_per_second(copy_bytes, seconds.pop(COPY))
     stream_rate = gigabytes_per_second(stream_bytes, seconds.pop(STREAM))
     case = dtype_name if torch.device(device).type != "cpu" else f"{dtype_name}, {threads} threads"
@@ -354,7 +356,15 @@ def measure(
                 for name, timed in reference_peer(peer, dtype).items()
                 if timed in seconds
             }
-            row["vs peers"] = ", ".join(f"{v:.2f}x {k}" for k, v in row["speedup"].items())
+            # Per round, peer time / fusedamp time: the 10th-90th percentile over clean rounds.
+            row["speedup per round"] = {}
+            for name, timed in reference_peer(peer, dtype).items():
+                spread = round_ratio_range(samples, timed, peer) if timed in samples else None
+                if spread:
+                    row["speedup per round"][name] = f"{spread[0]:.2f}-{spread[1]:.2f}"
+            row["vs peers"] = ", ".join(
+                f"{v:.2f}x {k} ({row['speedup per round'].get(k, 'n/a')})" for k, v in row["speedup"].items()
+            )
         rows.append(row)
     print(f"{kind} {dtype_name}, {threads} threads: done (every peer kept >= {kept}/{rounds} samples)",
           flush=True)

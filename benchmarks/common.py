@@ -77,6 +77,28 @@ def stable_medians(samples: dict[str, list[float]], disturbance: float = 1.5) ->
     return medians, min(kept)
 
 
+def round_ratio_range(
+    samples: dict[str, list[float]], numerator: str, denominator: str, disturbance: float = 1.5
+) -> tuple[float, float] | None:
+    """The 10th and 90th percentile (all of them under 10 rounds) of numerator's time / denominator's
+    over the rounds where neither sample was disturbed (stable_medians' rule); None if no round was
+    clean for both."""
+    def clean(name: str) -> list[bool]:
+        best = min(samples[name])
+        return [t <= disturbance * best for t in samples[name]]
+
+    ratios = sorted(
+        a / b
+        for a, b, ok_a, ok_b in zip(
+            samples[numerator], samples[denominator], clean(numerator), clean(denominator), strict=True
+        )
+        if ok_a and ok_b
+    )
+    if not ratios:
+        return None
+    return ratios[len(ratios) // 10], ratios[-1 - len(ratios) // 10]
+
+
 def copy_peer(nbytes: int, device: str) -> tuple[Callable[[], object], int]:
     """A plain ``dst.copy_(src)`` of ``nbytes`` (the machine's streaming yardstick) and the
     bytes it moves (read + write)."""
