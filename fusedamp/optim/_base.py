@@ -83,6 +83,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     _op: str
     # The group options that _op_keywords reads at each call: changing them keeps the step plan.
     _call_options: frozenset[str] = frozenset()
+    # The group options that are floats (or tuples of floats), checked at every step.
+    _float_options: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -209,12 +211,12 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (set after construction, by hand or by a scheduler) leaves every param and state as
         it was instead of failing halfway through the step.
         """
+        # Only the numeric options (a group may carry the user's own keys): this runs at every
+        # step, and a loop over every option cost a tenth of a small model's FusedSGD step.
         for index, group in enumerate(self.param_groups):
-            for key, value in group.items():
-                # Only the options the optimizer reads: a group may carry the user's own keys.
-                if key not in self.defaults:
-                    continue
-                for item in value if isinstance(value, tuple) else (value,):
+            for key in self._float_options:
+                value = group.get(key)
+                for item in value if type(value) is tuple else (value,):
                     if isinstance(item, float) and not abs(item) <= _FLOAT32_MAX:
                         raise ValueError(
                             f"{type(self).__name__}: {key}={value!r} in param group {index}; it "

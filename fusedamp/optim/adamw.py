@@ -132,6 +132,7 @@ class FusedAdamW(FusedOptimizer):
 
     _op = "adamw_"
     _call_options = frozenset({"lr", "betas", "eps", "weight_decay", "maximize", "write_unscaled_grads"})
+    _float_options = ("lr", "betas", "eps", "weight_decay")
 
     def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]:
         return [

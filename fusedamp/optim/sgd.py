@@ -94,6 +94,7 @@ class FusedSGD(FusedOptimizer):
         return super()._new_state(key, param, state, moments)
 
     _op = "sgd_"
+    _float_options = ("lr", "momentum", "dampening", "weight_decay")
     _call_options = frozenset(
         {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "write_unscaled_grads"}
     )
