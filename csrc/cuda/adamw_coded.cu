@@ -38,10 +38,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const AdamWCoefficients coefficients = shared_coefficients;
   const float multiplier = grad_multiplier(args.inputs);
   const bool amsgrad = args.hyper.amsgrad;
-  const uint32_t key = kStochastic ? rounding_key(args.rounding.seed,
-                                                  rounding_id_of(meta.pointers[kAdamWRoundingId][chunk.slot]),
-                                                  uint64_t(step) + 1, uint64_t(chunk.begin) >> 32)
-                                   : 0u;
+  const uint32_t key =
+      kStochastic ? chunk_rounding_key(args.rounding.seed, meta.pointers[kAdamWRoundingId][chunk.slot], step, chunk.begin)
+                  : 0u;
 
   auto* param = chunk_pointer<storage_t<P>>(meta, kAdamWParam, chunk);
   auto* grad = chunk_pointer<storage_t<G>>(meta, kAdamWGrad, chunk);
@@ -104,37 +103,15 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic>
-void launch(const AdamWCall& call, const AdamWCodedArgs& args) {
-  launch_chunks<kAdamWLists>(adamw_coded_kernel<P, G, M, C, kStochastic>, call.lists.pointers,
-                             call.lists.numels, args);
-}
-
 }  // namespace
 
 void adamw_coded_cuda(const AdamWCall& call) {
   static_assert(kChunkSize % (kBlockThreads * kOptimizerElements) == 0, "chunks of whole iterations");
   const AdamWCodedArgs args{call.inputs, call.hyper, call.rounding};
-  with_float_dtype(call.param_dtype, [&](auto p) {
-    constexpr DType P = decltype(p)::value;
-    with_float_dtype(call.grad_dtype, [&](auto g) {
-      constexpr DType G = decltype(g)::value;
-      if (call.rounding.enabled) {
-        if constexpr (P != DType::kFloat32) {
-          with_state_codec(call.state_codec, [&](auto c) {
-            launch<P, G, MasterKind::kNone, decltype(c)::value, true>(call, args);
-          });
-        }
-        return;
-      }
-      with_master_kind<P>(call.master_kind, [&](auto m) {
-        if (call.state_codec == StateCodec::kBFloat16) {
-          launch<P, G, decltype(m)::value, StateCodec::kBFloat16, false>(call, args);
-        } else {
-          launch<P, G, decltype(m)::value, StateCodec::kInt8, false>(call, args);
-        }
-      });
-    });
+  with_coded_kernel(call, [&](auto p, auto g, auto m, auto c, auto stochastic) {
+    const auto kernel = adamw_coded_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value,
+                                         decltype(c)::value, decltype(stochastic)::value>;
+    launch_chunks<kAdamWLists>(kernel, call.lists.pointers, call.lists.numels, args);
   });
 }
 

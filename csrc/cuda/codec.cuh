@@ -4,6 +4,7 @@
 #pragma once
 
 #include "cuda/multi_tensor_apply.cuh"
+#include "fusedamp/dispatch.h"
 #include "fusedamp/math/codec.h"
 
 namespace fusedamp::cuda {
@@ -93,5 +94,31 @@ struct StateGroup {
     stored.store(chunk, first, count, vector);
   }
 };
+
+// The coded kernels an optimizer call takes (host side): stochastically rounded half params (no
+// master) under any codec, or each master kind under bf16 or int8 codes. Calls
+// launch(p, g, m, c, stochastic) with their tags; each op's coded launcher is that one lambda.
+template <typename Call, typename Launch>
+void with_coded_kernel(const Call& call, Launch&& launch) {
+  with_float_dtype(call.param_dtype, [&](auto p) {
+    constexpr DType P = decltype(p)::value;
+    with_float_dtype(call.grad_dtype, [&](auto g) {
+      if (call.rounding.enabled) {
+        if constexpr (P != DType::kFloat32) {
+          with_state_codec(call.state_codec,
+                           [&](auto c) { launch(p, g, MasterTag<MasterKind::kNone>{}, c, std::true_type{}); });
+        }
+        return;
+      }
+      with_master_kind<P>(call.master_kind, [&](auto m) {
+        if (call.state_codec == StateCodec::kBFloat16) {
+          launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kBFloat16>{}, std::false_type{});
+        } else {
+          launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kInt8>{}, std::false_type{});
+        }
+      });
+    });
+  });
+}
 
 }  // namespace fusedamp::cuda

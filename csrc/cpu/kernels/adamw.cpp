@@ -68,12 +68,9 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   float* exp_avg_sq_scales = static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]);
   float* max_exp_avg_sq_scales = static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]);
   const StochasticRounding& rounding = call.rounding;
-  uint32_t key = 0;
-  if (rounding.enabled) {
-    const float step = *static_cast<const float*>(lists[kAdamWStep][tensor]);
-    key = rounding_key(rounding.seed, rounding_id_of(lists[kAdamWRoundingId][tensor]), uint64_t(step) + 1,
-                       uint64_t(begin) >> 32);
-  }
+  const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kAdamWRoundingId][tensor],
+                                                             *static_cast<const float*>(lists[kAdamWStep][tensor]), begin)
+                                        : 0u;
   alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock];
   alignas(64) float exp_avg_tile[kCodecBlock], exp_avg_sq_tile[kCodecBlock], max_tile[kCodecBlock];
   for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {

@@ -60,12 +60,9 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
   void* buffer = lists[kSgdMomentumBuffer][tensor];
   float* buffer_scales = static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]);
   const StochasticRounding& rounding = call.rounding;
-  uint32_t key = 0;
-  if (rounding.enabled) {
-    const float step = *static_cast<const float*>(lists[kSgdStep][tensor]);
-    key = rounding_key(rounding.seed, rounding_id_of(lists[kSgdRoundingId][tensor]), uint64_t(step) + 1,
-                       uint64_t(begin) >> 32);
-  }
+  const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kSgdRoundingId][tensor],
+                                                             *static_cast<const float*>(lists[kSgdStep][tensor]), begin)
+                                        : 0u;
   alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock], buffer_tile[kCodecBlock];
   for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
     if (kHasMomentum) {

@@ -42,6 +42,13 @@ FUSEDAMP_HOST_DEVICE uint32_t rounding_key(uint64_t seed, uint64_t param_id, uin
   return uint32_t(mix64(x ^ element_high));
 }
 
+// The key of a chunk that starts at element `begin` of the param whose id travels in
+// `rounding_id` ([note: rounding ids]), for the step after `step` (the count before it): what
+// both backends compute once per chunk.
+FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* rounding_id, float step, int64_t begin) {
+  return rounding_key(seed, rounding_id_of(rounding_id), uint64_t(step) + 1, uint64_t(begin) >> 32);
+}
+
 // 32 random bits of one element: Wellons' lowbias32 of its low 32 index bits and the key (two
 // multiplies, vectorizable).
 FUSEDAMP_HOST_DEVICE uint32_t rounding_bits(uint32_t key, int64_t element) {
