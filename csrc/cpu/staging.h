@@ -543,8 +543,6 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm256_storeu_ps(values, _mm256_castsi256_ps(a));
 }
-#else
-constexpr int64_t kCodeLanes = 0;
 #endif
 
 #if FUSEDAMP_F16C_LANES
