@@ -53,7 +53,8 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
 }
 
 // [note: block staging] The coded modes: each codec block's param value, grad and moments staged
-// as fp32 tiles, the same element math run on them, and everything stored back through its codec.
+// as fp32 a group at a time ([note: group staging]), the same element math run on them, and
+// everything stored back through its codec.
 template <DType P, DType G, MasterKind M, StateCodec C, bool kAmsgrad, bool kWriteGrad>
 void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoefficients c,
                        float multiplier, int64_t begin, int64_t end, bool stream_params) {
@@ -61,39 +62,44 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   void* param = lists[kAdamWParam][tensor];
   void* grad = lists[kAdamWGrad][tensor];
   void* master = lists[kAdamWMaster][tensor];
-  void* exp_avg = lists[kAdamWExpAvg][tensor];
-  void* exp_avg_sq = lists[kAdamWExpAvgSq][tensor];
-  void* max_exp_avg_sq = lists[kAdamWMaxExpAvgSq][tensor];
-  float* exp_avg_scales = static_cast<float*>(lists[kAdamWExpAvgScale][tensor]);
-  float* exp_avg_sq_scales = static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]);
-  float* max_exp_avg_sq_scales = static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]);
   const StochasticRounding& rounding = call.rounding;
   const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kAdamWRoundingId][tensor],
                                                              *static_cast<const float*>(lists[kAdamWStep][tensor]), begin)
                                         : 0u;
-  alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock];
-  alignas(64) float exp_avg_tile[kCodecBlock], exp_avg_sq_tile[kCodecBlock], max_tile[kCodecBlock];
-  for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+  StagedState<C, true> exp_avg(lists[kAdamWExpAvg][tensor], static_cast<float*>(lists[kAdamWExpAvgScale][tensor]));
+  StagedState<C, false> exp_avg_sq(lists[kAdamWExpAvgSq][tensor],
+                                   static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]));
+  StagedState<C, false> max_exp_avg_sq(lists[kAdamWMaxExpAvgSq][tensor],
+                                       static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]));
+  alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     if (kAmsgrad) {
-      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, exp_avg, exp_avg_sq, max_exp_avg_sq);
+      prefetch_ahead<P, G, M, C>(block, end, param, master, grad, lists[kAdamWExpAvg][tensor],
+                                 lists[kAdamWExpAvgSq][tensor], lists[kAdamWMaxExpAvgSq][tensor]);
     } else {
-      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, exp_avg, exp_avg_sq);
+      prefetch_ahead<P, G, M, C>(block, end, param, master, grad, lists[kAdamWExpAvg][tensor],
+                                 lists[kAdamWExpAvgSq][tensor]);
     }
-    float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
-    float* g = stage_grad_block<G>(grad, first, n, grad_tile);
-    float* m = stage_state_block<C, true>(exp_avg, exp_avg_scales, first, n, exp_avg_tile);
-    float* v = stage_state_block<C, false>(exp_avg_sq, exp_avg_sq_scales, first, n, exp_avg_sq_tile);
-    float* v_max = kAmsgrad ? stage_state_block<C, false>(max_exp_avg_sq, max_exp_avg_sq_scales,
-                                                          first, n, max_tile)
-                            : max_tile;
-    const AdamWTensorPointers tile{value, g, nullptr, m, v, v_max};
-    adamw_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kAmsgrad, kWriteGrad>(
-        tile, c, multiplier, 0, n);
-    unstage_state_block<C, true>(exp_avg, exp_avg_scales, first, n, m);
-    unstage_state_block<C, false>(exp_avg_sq, exp_avg_sq_scales, first, n, v);
-    if (kAmsgrad) unstage_state_block<C, false>(max_exp_avg_sq, max_exp_avg_sq_scales, first, n, v_max);
-    unstage_grad_block<G>(grad, first, n, g, kWriteGrad);
-    unstage_value_block<P, M>(param, master, first, n, value, rounding.enabled, key, stream_params);
+    for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
+      const AdamWTensorPointers tile{
+          stage_value_block<P, M>(param, master, first, group, value_tile),
+          stage_grad_block<G>(grad, first, group, grad_tile),
+          nullptr,
+          exp_avg.stage(block, first, group),
+          exp_avg_sq.stage(block, first, group),
+          kAmsgrad ? max_exp_avg_sq.stage(block, first, group) : nullptr};
+      adamw_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kAmsgrad, kWriteGrad>(
+          tile, c, multiplier, 0, group);
+      exp_avg.unstage(block, first, group);
+      exp_avg_sq.unstage(block, first, group);
+      if (kAmsgrad) max_exp_avg_sq.unstage(block, first, group);
+      unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
+      unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
+                                rounding.enabled, key, stream_params);
+    });
+    exp_avg.finish_block(block, n);
+    exp_avg_sq.finish_block(block, n);
+    if (kAmsgrad) max_exp_avg_sq.finish_block(block, n);
   });
   finish_param_stream<M>(stream_params);
 }

@@ -58,28 +58,30 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
   void* grad = lists[kSgdGrad][tensor];
   void* master = lists[kSgdMaster][tensor];
   void* buffer = lists[kSgdMomentumBuffer][tensor];
-  float* buffer_scales = static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]);
   const StochasticRounding& rounding = call.rounding;
   const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kSgdRoundingId][tensor],
                                                              *static_cast<const float*>(lists[kSgdStep][tensor]), begin)
                                         : 0u;
-  alignas(64) float value_tile[kCodecBlock], grad_tile[kCodecBlock], buffer_tile[kCodecBlock];
-  for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
+  StagedState<C, true> momentum(buffer, static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]));
+  alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     if (kHasMomentum) {
-      prefetch_ahead<P, G, M, C>(first, end, param, master, grad, buffer);
+      prefetch_ahead<P, G, M, C>(block, end, param, master, grad, buffer);
     } else {
-      prefetch_ahead<P, G, M, C>(first, end, param, master, grad);
+      prefetch_ahead<P, G, M, C>(block, end, param, master, grad);
     }
-    float* value = stage_value_block<P, M>(param, master, first, n, value_tile);
-    float* g = stage_grad_block<G>(grad, first, n, grad_tile);
-    float* b = kHasMomentum ? stage_state_block<C, true>(buffer, buffer_scales, first, n, buffer_tile)
-                            : buffer_tile;
-    const SgdTensorPointers tile{value, g, nullptr, b};
-    sgd_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kHasMomentum, kWriteGrad>(
-        tile, c, multiplier, 0, n);
-    if (kHasMomentum) unstage_state_block<C, true>(buffer, buffer_scales, first, n, b);
-    unstage_grad_block<G>(grad, first, n, g, kWriteGrad);
-    unstage_value_block<P, M>(param, master, first, n, value, rounding.enabled, key, stream_params);
+    for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
+      const SgdTensorPointers tile{stage_value_block<P, M>(param, master, first, group, value_tile),
+                                   stage_grad_block<G>(grad, first, group, grad_tile), nullptr,
+                                   kHasMomentum ? momentum.stage(block, first, group) : nullptr};
+      sgd_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kHasMomentum, kWriteGrad>(
+          tile, c, multiplier, 0, group);
+      if (kHasMomentum) momentum.unstage(block, first, group);
+      unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
+      unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
+                                rounding.enabled, key, stream_params);
+    });
+    if (kHasMomentum) momentum.finish_block(block, n);
   });
   finish_param_stream<M>(stream_params);
 }
