@@ -69,6 +69,33 @@ def test_shared_grad_under_a_grad_scaler_is_checked_read_only() -> None:
     scaler.update()
 
 
+@pytest.mark.parametrize("order", ["ascending", "descending", "runs", "shuffled"])
+def test_shared_memory_is_found_in_any_order_of_many_tensors(order) -> None:
+    """The aliasing check sorts the tensors' byte ranges by merging the runs the lists come in
+    (or, past 64 runs, with a general sort): each order must find the one overlapping pair, and
+    pass the same tensors without it."""
+    count = 300
+    buffer = torch.randn(4 * count + 8)
+    slices = [buffer[4 * i : 4 * i + 4] for i in range(count)]
+    positions = list(range(count))
+    if order == "descending":
+        positions.reverse()
+    elif order == "runs":  # five ascending and descending runs, as params and grads lists come
+        runs = [range(0, 60), range(119, 59, -1), range(120, 200), range(299, 249, -1), range(200, 250)]
+        positions = [position for run in runs for position in run]
+    elif order == "shuffled":
+        positions = torch.randperm(count, generator=torch.Generator().manual_seed(0)).tolist()
+    grads = [slices[position] for position in positions]
+    found_inf = torch.zeros(())
+    ops.unscale_(grads, found_inf, torch.ones(()))
+    clash = 137
+    overlapping = buffer[4 * clash + 2 : 4 * clash + 6]  # over slices `clash` and `clash + 1`
+    at = len(grads) // 3
+    named = rf"unscale_: (grads\[\d+\] and grads\[{at}\]|grads\[{at}\] and grads\[\d+\]) share memory"
+    with pytest.raises(RuntimeError, match=named):
+        ops.unscale_([*grads[:at], overlapping, *grads[at:]], found_inf, torch.ones(()))
+
+
 @pytest.mark.parametrize(
     ("cls", "key", "value", "match"),
     [

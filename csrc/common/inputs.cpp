@@ -75,32 +75,77 @@ void check_hyperparameter(double value, const char* name, const char* op) {
 struct MemoryRange {
   uintptr_t begin;
   uintptr_t end;
-  ArgName name;
-  bool read_only;
+  uint32_t argument;  // which of the op's arguments
+  uint32_t index;     // which tensor of a list argument
 };
 
+// Sorts `ranges` by their start. An optimizer's lists come in long runs of tensors allocated one
+// after another, ascending (params, states) or descending (grads, which backward makes from the
+// last layer back): merging those runs instead of a general sort took this check from about a
+// fifth of a 200-param FusedSGD step's host time to a few percent.
+static void sort_by_begin(std::vector<MemoryRange>& ranges) {
+  constexpr size_t kMostRuns = 64;  // beyond this the ranges are not in runs: sort them
+  const auto before = [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; };
+  const auto first = ranges.begin();
+  std::vector<size_t> bounds;  // where each run starts, then the end
+  for (size_t start = 0; start < ranges.size() && bounds.size() <= kMostRuns;) {
+    size_t stop = start + 1;
+    if (stop < ranges.size() && ranges[stop].begin < ranges[start].begin) {
+      while (stop < ranges.size() && ranges[stop].begin < ranges[stop - 1].begin) ++stop;
+      std::reverse(first + start, first + stop);
+    } else {
+      while (stop < ranges.size() && ranges[stop].begin >= ranges[stop - 1].begin) ++stop;
+    }
+    bounds.push_back(start);
+    start = stop;
+  }
+  if (bounds.size() > kMostRuns) {
+    std::sort(first, ranges.end(), before);
+    return;
+  }
+  bounds.push_back(ranges.size());
+  while (bounds.size() > 2) {  // more than one run: merge neighbouring pairs
+    std::vector<size_t> merged;
+    const size_t runs = bounds.size() - 1;
+    for (size_t run = 0; run < runs; run += 2) {
+      merged.push_back(bounds[run]);
+      if (run + 1 < runs) {
+        std::inplace_merge(first + bounds[run], first + bounds[run + 1], first + bounds[run + 2], before);
+      }
+    }
+    merged.push_back(ranges.size());
+    bounds.swap(merged);
+  }
+}
+
 void check_no_shared_memory(const char* op, const std::vector<NamedTensors>& arguments) {
+  size_t count = 0;
+  for (const NamedTensors& argument : arguments) count += argument.tensors.size();
   std::vector<MemoryRange> ranges;
-  for (const NamedTensors& argument : arguments) {
-    for (size_t i = 0; i < argument.tensors.size(); ++i) {
-      const at::Tensor& tensor = argument.tensors[i];
-      if (tensor.numel() == 0) continue;
-      const auto begin = reinterpret_cast<uintptr_t>(tensor.data_ptr());
-      ranges.push_back({begin, begin + tensor.nbytes(),
-                        {op, argument.name, argument.is_list ? int64_t(i) : -1}, argument.read_only});
+  ranges.reserve(count);
+  for (size_t a = 0; a < arguments.size(); ++a) {
+    const at::TensorList tensors = arguments[a].tensors;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(tensors[i].data_ptr());
+      ranges.push_back({begin, begin + tensors[i].nbytes(), uint32_t(a), uint32_t(i)});
     }
   }
-  std::sort(ranges.begin(), ranges.end(),
-            [](const MemoryRange& a, const MemoryRange& b) { return a.begin < b.begin; });
+  sort_by_begin(ranges);
+  const auto name_of = [&](const MemoryRange& range, const char* op_name) {
+    const NamedTensors& argument = arguments[range.argument];
+    return ArgName{op_name, argument.name, argument.is_list ? int64_t(range.index) : -1};
+  };
   const MemoryRange* furthest = nullptr;          // of all ranges so far
   const MemoryRange* furthest_written = nullptr;  // of the written ones
   for (const MemoryRange& range : ranges) {
-    const MemoryRange* clash = range.read_only ? furthest_written : furthest;
-    TORCH_CHECK(clash == nullptr || range.begin >= clash->end, "fusedamp: ", clash->name, " and ",
-                ArgName{nullptr, range.name.arg, range.name.index}, " share memory; every tensor an op updates must have its own storage (pass "
+    const bool read_only = arguments[range.argument].read_only;
+    const MemoryRange* clash = read_only ? furthest_written : furthest;
+    TORCH_CHECK(clash == nullptr || range.begin >= clash->end, "fusedamp: ", name_of(*clash, op), " and ",
+                name_of(range, nullptr), " share memory; every tensor an op updates must have its own storage (pass "
                 "distinct tensors, e.g. .clone())");
     if (furthest == nullptr || range.end > furthest->end) furthest = &range;
-    if (!range.read_only && (furthest_written == nullptr || range.end > furthest_written->end)) {
+    if (!read_only && (furthest_written == nullptr || range.end > furthest_written->end)) {
       furthest_written = &range;
     }
   }
