@@ -18,7 +18,7 @@ BLOCK = 256
 def reference(values: torch.Tensor, signed: bool) -> torch.Tensor:
     """What decode(encode(values)) must give, computed in float64 from the definition: each
     block's scale is 2^e with e the exponent of its largest finite magnitude rounded to 3 mantissa
-    bits; a value keeps 3 mantissa bits (nearest even) if it lies in the 2^4 (signed) or 2^5
+    bits; a value keeps 3 mantissa bits (nearest, ties up) if it lies in the 2^4 (signed) or 2^5
     (unsigned) binades at and below 2^e, else flushes to 0 (signed) or to the smallest code."""
     flat = values.flatten().double()
     out = torch.empty_like(flat)
@@ -45,7 +45,7 @@ def _round3(x: float) -> float:
     if x == 0:
         return 0.0
     mantissa, exponent = math.frexp(x)  # x = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return round(mantissa * 16) / 16 * 2.0**exponent  # Python's round: half to even
+    return math.floor(mantissa * 16 + 0.5) / 16 * 2.0**exponent  # nearest, ties away from zero
 
 
 @pytest.mark.parametrize("signed", [True, False])

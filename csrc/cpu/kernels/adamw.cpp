@@ -53,8 +53,8 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
 }
 
 // [note: block staging] The coded modes: each codec block's param value, grad and moments staged
-// as fp32 a group at a time ([note: group staging]), the same element math run on them, and
-// everything stored back through its codec.
+// as fp32 a group at a time, the same element math run on them, and everything stored back
+// through its codec, the int8 codes one block behind ([note: group staging]).
 template <DType P, DType G, MasterKind M, StateCodec C, bool kAmsgrad, bool kWriteGrad>
 void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoefficients c,
                        float multiplier, int64_t begin, int64_t end, bool stream_params) {
@@ -80,27 +80,36 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
       prefetch_ahead<P, G, M, C>(block, end, param, master, grad, lists[kAdamWExpAvg][tensor],
                                  lists[kAdamWExpAvgSq][tensor]);
     }
+    auto m = exp_avg.begin_block(block);
+    auto v = exp_avg_sq.begin_block(block);
+    auto v_max = max_exp_avg_sq.begin_block(block);
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
-      const AdamWTensorPointers tile{
-          stage_value_block<P, M>(param, master, first, group, value_tile),
-          stage_grad_block<G>(grad, first, group, grad_tile),
-          nullptr,
-          exp_avg.stage(block, first, group),
-          exp_avg_sq.stage(block, first, group),
-          kAmsgrad ? max_exp_avg_sq.stage(block, first, group) : nullptr};
+      const int64_t offset = first - block;
+      const AdamWTensorPointers tile{stage_value_block<P, M>(param, master, first, group, value_tile),
+                                     stage_grad_block<G>(grad, first, group, grad_tile),
+                                     nullptr,
+                                     m.stage(offset, group),
+                                     v.stage(offset, group),
+                                     kAmsgrad ? v_max.stage(offset, group) : nullptr};
       adamw_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kAmsgrad, kWriteGrad>(
           tile, c, multiplier, 0, group);
-      exp_avg.unstage(block, first, group);
-      exp_avg_sq.unstage(block, first, group);
-      if (kAmsgrad) max_exp_avg_sq.unstage(block, first, group);
+      m.unstage(offset, group);
+      v.unstage(offset, group);
+      if (kAmsgrad) v_max.unstage(offset, group);
+      m.encode_pending(offset, group);
+      v.encode_pending(offset, group);
+      if (kAmsgrad) v_max.encode_pending(offset, group);
       unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
       unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
                                 rounding.enabled, key, stream_params);
     });
-    exp_avg.finish_block(block, n);
-    exp_avg_sq.finish_block(block, n);
-    if (kAmsgrad) max_exp_avg_sq.finish_block(block, n);
+    exp_avg.end_block(m, block, n);
+    exp_avg_sq.end_block(v, block, n);
+    if (kAmsgrad) max_exp_avg_sq.end_block(v_max, block, n);
   });
+  exp_avg.finish();
+  exp_avg_sq.finish();
+  if (kAmsgrad) max_exp_avg_sq.finish();
   finish_param_stream<M>(stream_params);
 }
 

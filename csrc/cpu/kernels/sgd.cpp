@@ -70,19 +70,25 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
     } else {
       prefetch_ahead<P, G, M, C>(block, end, param, master, grad);
     }
+    auto b = momentum.begin_block(block);
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
+      const int64_t offset = first - block;
       const SgdTensorPointers tile{stage_value_block<P, M>(param, master, first, group, value_tile),
                                    stage_grad_block<G>(grad, first, group, grad_tile), nullptr,
-                                   kHasMomentum ? momentum.stage(block, first, group) : nullptr};
+                                   kHasMomentum ? b.stage(offset, group) : nullptr};
       sgd_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kHasMomentum, kWriteGrad>(
           tile, c, multiplier, 0, group);
-      if (kHasMomentum) momentum.unstage(block, first, group);
+      if (kHasMomentum) {
+        b.unstage(offset, group);
+        b.encode_pending(offset, group);
+      }
       unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
       unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
                                 rounding.enabled, key, stream_params);
     });
-    if (kHasMomentum) momentum.finish_block(block, n);
+    if (kHasMomentum) momentum.end_block(b, block, n);
   });
+  if (kHasMomentum) momentum.finish();
   finish_param_stream<M>(stream_params);
 }
 

@@ -28,7 +28,7 @@ FUSEDAMP_NAMESPACE_BEGIN
 // max_exp_avg_sq) 5 exponent + 3 mantissa bits. Exponent field E in [1, 2^e - 1] means
 // 2^(E - (2^e - 1)) * (1 + M / 8) * scale, so the top binade holds the block's largest value and
 // each value keeps 3 bits of mantissa in the 15 (signed) or 31 (unsigned) binades below it. The
-// encoding is integer work on the fp32 bit pattern (round the mantissa to 3 bits, nearest even,
+// encoding is integer work on the fp32 bit pattern (round the mantissa to 3 bits, nearest, ties up,
 // and rebase the exponent): no table, no search, no division, so it vectorizes on AVX2 and the
 // codes are bitwise the same on every ISA build and on CUDA. E = 0 is not a value: M = 0 is zero,
 // 1 is NaN, 2 is inf (sign in the sign bit), so a non-finite moment stays what torch would hold
@@ -43,10 +43,10 @@ struct BlockCode {
   static constexpr uint32_t kNan = 1, kInf = 2, kSmallest = 8;
 };
 
-// The fp32 bit pattern of |bits| rounded to 3 mantissa bits (nearest even); may carry into the
-// next binade.
+// The fp32 bit pattern of |bits| rounded to 3 mantissa bits (nearest, ties away from zero: one add
+// fewer than ties to even, in the vector encoders' busiest loop); may carry into the next binade.
 FUSEDAMP_HOST_DEVICE uint32_t round_to_code_mantissa(uint32_t magnitude_bits) {
-  return magnitude_bits + 0x7ffffu + ((magnitude_bits >> 20) & 1u);
+  return magnitude_bits + 0x80000u;
 }
 
 // What a block keeps of its largest finite magnitude (max over the block of finite_magnitude_bits):
