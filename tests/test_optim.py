@@ -17,7 +17,6 @@ from torch import Tensor
 
 import fusedamp
 import fusedamp.optim._base
-from fusedamp import ops
 from fusedamp.optim import FusedAdamW, FusedSGD, join_bf16_remainder, split_bf16_remainder
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -446,42 +445,3 @@ def test_cpu_and_cuda_params_in_one_optimizer() -> None:
     for param, ref_param in zip(params, refs, strict=True):
         torch.testing.assert_close(fused.master_of(param).cpu(), ref_param.detach(), **TOLERANCE)
     assert fused.last_grad_norm.device.type == "cpu"
-
-
-# [note: streaming param stores] (csrc/cpu/staging.h): a CPU step that moves more than twice the
-# last-level cache writes its half params with non-temporal stores (the drivers' rule).
-def _elements_that_stream(bytes_per_element: int) -> int:
-    return 2 * fusedamp.build_info()["cpu_cache_bytes"] // bytes_per_element + 4099
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
-def test_a_step_that_streams_its_params_matches_small_steps_bitwise(kind, dtype) -> None:
-    """One call over enough elements to stream the param stores (an odd total: the tail takes
-    ordinary stores) against the same update made by calls small enough not to."""
-    numel = _elements_that_stream(28 if kind == "adamw" else 20)
-    generator = torch.Generator().manual_seed(11)
-    values = [torch.randn(numel, generator=generator).to(dtype) for _ in range(2)]
-    moments = [torch.rand(numel, generator=generator) for _ in range(2)]
-
-    def fresh() -> list[Tensor]:
-        """param, grad, fp32 master, first moment (or momentum), second moment."""
-        return [values[0].clone(), values[1].clone(), values[0].float(), *(m.clone() for m in moments)]
-
-    def step(param: Tensor, grad: Tensor, master: Tensor, first: Tensor, second: Tensor) -> None:
-        count = torch.zeros(())
-        if kind == "adamw":
-            ops.adamw_([param], [grad], [first], [second], [], [master], [count], lr=1e-2, beta1=0.9,
-                       beta2=0.999, eps=1e-8, weight_decay=0.01)
-        else:
-            ops.sgd_([param], [grad], [first], [master], [count], lr=1e-2, momentum=0.9)
-
-    whole, pieces = fresh(), fresh()
-    step(*whole)
-    piece = 1 << 18
-    for begin in range(0, numel, piece):
-        step(*(tensor[begin:begin + piece] for tensor in pieces))
-    for streamed, small in zip(whole, pieces, strict=True):
-        bits = torch.int16 if streamed.itemsize == 2 else torch.int32
-        assert torch.equal(streamed.view(bits), small.view(bits))
-    assert not torch.equal(whole[0], values[0])  # the step changed the params

@@ -71,15 +71,6 @@ std::vector<Partial> reduce_per_tensor(const std::vector<int64_t>& numels, const
   return per_tensor;
 }
 
-// Whether an optimizer call writes its half params with non-temporal stores ([note: streaming
-// param stores] in cpu/staging.h): when it moves more than twice the last-level cache, so that
-// the params it writes would be evicted before the next forward pass reads them anyway.
-inline bool stream_param_stores(const std::vector<int64_t>& numels, int64_t bytes_per_element) {
-  int64_t elements = 0;
-  for (const int64_t numel : numels) elements += numel;
-  return elements * bytes_per_element > 2 * last_level_cache_bytes();
-}
-
 // The step counts of an optimizer call (fp32 scalars), after its update.
 inline void increment_steps(const std::vector<void*>& steps) {
   for (void* step : steps) *static_cast<float*>(step) += 1.0f;

@@ -44,41 +44,6 @@ template <int64_t kGroup = kStageLanes, typename Step>
   if (first < end) step(first, end - first);
 }
 
-// [note: streaming param stores] Non-temporal half param stores (fp32 masters), asked for by the
-// drivers when a call moves more than twice the last-level cache (stream_param_stores, launcher.h),
-// were made for a step that wrote the param without reading it: they skipped the line's read for
-// ownership (AdamW, 16.8M half params: 2-16% faster at 2 threads). The step now reads the param
-// ([note: edited params], math/master.h), which leaves no such read to skip: at 41.9M params, AVX-512,
-// 2 threads, streamed calls took ~4% longer than ordinary stores (~7% less before the read). They
-// are weakly ordered: finish_param_stream fences them before the chunk returns.
-#if FUSEDAMP_F16C_LANES
-// 16 halves (32 bytes) to dst, non-temporal when asked and aligned.
-[[gnu::always_inline]] inline void store_16_halves(uint16_t* dst, __m256i halves, bool stream) {
-  if (stream && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), halves);
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), halves);
-  }
-}
-
-// 8 halves (16 bytes) to dst, non-temporal when asked and aligned.
-[[gnu::always_inline]] inline void store_8_halves(uint16_t* dst, __m128i halves, bool stream) {
-  if (stream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), halves);
-  } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), halves);
-  }
-}
-#endif
-
-// Orders a chunk's non-temporal param stores before anything that follows it.
-template <MasterKind M>
-[[gnu::always_inline]] inline void finish_param_stream(bool stream) {
-#if FUSEDAMP_F16C_LANES
-  if (M == MasterKind::kFloat32 && stream) _mm_sfence();
-#endif
-}
-
 [[gnu::always_inline]] inline void fp16_tile_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
@@ -95,21 +60,18 @@ template <MasterKind M>
   for (; i < n; ++i) dst[i] = fp16_to_float(src[i]);
 }
 
-[[gnu::always_inline]] inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n,
-                                                      bool stream) {
+[[gnu::always_inline]] inline void float_tile_to_fp16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   for (; i + 16 <= n; i += 16) {
-    store_16_halves(dst + i,
-                    _mm512_maskz_cvtps_ph(__mmask16(0xffff), _mm512_loadu_ps(src + i),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                    stream);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_maskz_cvtps_ph(__mmask16(0xffff), _mm512_loadu_ps(src + i),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #elif FUSEDAMP_F16C_LANES == 8
   for (; i + 8 <= n; i += 8) {
-    store_8_halves(dst + i,
-                   _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                   stream);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #endif
   for (; i < n; ++i) dst[i] = float_to_fp16(src[i]);
@@ -149,8 +111,7 @@ template <MasterKind M>
 
 // dtypes.h's float_to_bf16, lane by lane: round to nearest even on the bit pattern, NaN to
 // (bits >> 16) | 0x40.
-[[gnu::always_inline]] inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n,
-                                                      bool stream) {
+[[gnu::always_inline]] inline void float_tile_to_bf16(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 16
   const __m512i one = _mm512_set1_epi32(1), half_ulp = _mm512_set1_epi32(0x7fff);
@@ -164,19 +125,20 @@ template <MasterKind M>
     const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(bits, bias), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
     const __m512i result = _mm512_mask_or_epi32(rounded, nan, high, quiet);
-    store_16_halves(dst + i, _mm512_maskz_cvtepi32_epi16(all, result), stream);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_maskz_cvtepi32_epi16(all, result));
   }
 #elif FUSEDAMP_F16C_LANES == 8
   // Two vectors at a time: one pack and one lane gather narrow both.
   for (; i + 16 <= n; i += 16) {
     const __m256i low = bf16_bits_in_lanes(_mm256_loadu_ps(src + i));
     const __m256i high = bf16_bits_in_lanes(_mm256_loadu_ps(src + i + 8));
-    store_16_halves(dst + i, _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8), stream);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8));
   }
   for (; i + 8 <= n; i += 8) {
     const __m256i lanes = bf16_bits_in_lanes(_mm256_loadu_ps(src + i));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lanes, lanes), 0x08);
-    store_8_halves(dst + i, _mm256_castsi256_si128(packed), stream);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
   }
 #endif
   for (; i < n; ++i) dst[i] = float_to_bf16(src[i]);
@@ -329,12 +291,11 @@ template <DType T>
 }
 
 template <DType T>
-[[gnu::always_inline]] inline void float_tile_to_half(const float* src, uint16_t* dst, int64_t n,
-                                                      bool stream = false) {
+[[gnu::always_inline]] inline void float_tile_to_half(const float* src, uint16_t* dst, int64_t n) {
   if constexpr (T == DType::kFloat16) {
-    float_tile_to_fp16(src, dst, n, stream);
+    float_tile_to_fp16(src, dst, n);
   } else {
-    float_tile_to_bf16(src, dst, n, stream);
+    float_tile_to_bf16(src, dst, n);
   }
 }
 
@@ -380,18 +341,16 @@ template <DType P, DType G, MasterKind M, typename Pointers>
 }
 
 // Writes a tile's staged half param (split into param and remainder when a remainder completes
-// it; past the cache when an fp32 master holds it and stream_params asks, see [note: streaming
-// param stores]) and grad (when the step writes grads) back.
+// it) and grad (when the step writes grads) back.
 template <DType P, DType G, MasterKind M, typename Pointers>
 [[gnu::always_inline]] inline void unstage_tile(const Pointers& t, int64_t offset, int64_t n,
                                                 const float* param_tile, const float* grad_tile,
-                                                bool write_grad, bool stream_params) {
+                                                bool write_grad) {
   if constexpr (P != staged<P> && M == MasterKind::kRemainder) {
     float_tile_to_remainder(param_tile, static_cast<uint16_t*>(t.param) + offset,
                             static_cast<int16_t*>(t.master) + offset, n);
   } else if constexpr (P != staged<P>) {
-    float_tile_to_half<P>(param_tile, static_cast<uint16_t*>(t.param) + offset, n,
-                          M == MasterKind::kFloat32 && stream_params);
+    float_tile_to_half<P>(param_tile, static_cast<uint16_t*>(t.param) + offset, n);
   }
   if constexpr (G != staged<G>) {
     if (write_grad) float_tile_to_half<G>(grad_tile, static_cast<uint16_t*>(t.grad) + offset, n);
@@ -738,7 +697,7 @@ struct StateBlock {
   // Takes back the group that stage() gave, after the math updated it.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
     if constexpr (C == StateCodec::kBFloat16) {
-      float_tile_to_bf16(values + offset, static_cast<uint16_t*>(state) + offset, n, false);
+      float_tile_to_bf16(values + offset, static_cast<uint16_t*>(state) + offset, n);
     } else if constexpr (C == StateCodec::kInt8) {
       largest.fold(values + offset, n);
     }
@@ -853,18 +812,18 @@ template <DType P, MasterKind M>
 }
 
 // Writes a block's updated value back: nothing for fp32 params; the half param rounded from its
-// fp32 master (non-temporal when `stream`), split with its remainder, or rounded to nearest or
+// fp32 master, split with its remainder, or rounded to nearest or
 // stochastically (rounding_key set) when it has no master.
 template <DType P, MasterKind M>
 [[gnu::always_inline]] inline void unstage_value_block(void* param, void* master, int64_t begin,
                                                        int64_t n, const float* value, bool stochastic,
-                                                       uint32_t rounding_key, bool stream) {
+                                                       uint32_t rounding_key) {
   if constexpr (P != DType::kFloat32) {
     uint16_t* half = static_cast<uint16_t*>(param) + begin;
     if constexpr (M == MasterKind::kRemainder) {
       float_tile_to_remainder(value, half, static_cast<int16_t*>(master) + begin, n);
     } else if constexpr (M == MasterKind::kFloat32) {
-      float_tile_to_half<P>(value, half, n, stream);
+      float_tile_to_half<P>(value, half, n);
     } else if (stochastic) {
       float_tile_to_half_stochastic<P>(value, half, n, rounding_key, begin);
     } else {

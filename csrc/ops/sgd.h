@@ -21,10 +21,9 @@ struct SgdHyperparameters {
 
 struct SgdCall {
   static constexpr const char* kOp = "sgd_";
-  // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver);
-  // stream_params: write half params past the cache ([note: streaming param stores]).
+  // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const SgdCall&, const SgdCoefficients&, int64_t tensor, int64_t begin,
-                            int64_t end, bool stream_params);
+                            int64_t end);
   c10::Device device;
   DType param_dtype;
   DType grad_dtype;

@@ -24,7 +24,7 @@ template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
-                 int64_t begin, int64_t end, bool stream_params) {
+                 int64_t begin, int64_t end) {
   if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
@@ -34,9 +34,8 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
       if (kAmsgrad) tile.max_exp_avg_sq += first;
       adamw_elements<staged<P>, staged<G>, staged_master<P, M>, kAmsgrad, kWriteGrad>(
           tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad, stream_params);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     });
-    finish_param_stream<M>(stream_params);
   } else {
     // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
     for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
@@ -57,7 +56,7 @@ void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, f
 // through its codec, the int8 codes one block behind ([note: group staging]).
 template <DType P, DType G, MasterKind M, StateCodec C, bool kAmsgrad, bool kWriteGrad>
 void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoefficients c,
-                       float multiplier, int64_t begin, int64_t end, bool stream_params) {
+                       float multiplier, int64_t begin, int64_t end) {
   const auto& lists = call.lists.pointers;
   void* param = lists[kAdamWParam][tensor];
   void* grad = lists[kAdamWGrad][tensor];
@@ -101,7 +100,7 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
       if (kAmsgrad) v_max.encode_pending(offset, group);
       unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
       unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
-                                rounding.enabled, key, stream_params);
+                                rounding.enabled, key);
     });
     exp_avg.end_block(m, block, n);
     exp_avg_sq.end_block(v, block, n);
@@ -110,11 +109,10 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   exp_avg.finish();
   exp_avg_sq.finish();
   if (kAmsgrad) max_exp_avg_sq.finish();
-  finish_param_stream<M>(stream_params);
 }
 
 void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, int64_t tensor,
-                 int64_t begin, int64_t end, bool stream_params) {
+                 int64_t begin, int64_t end) {
   const auto& lists = call.lists.pointers;
   if (call.state_codec != StateCodec::kFloat32 || call.rounding.enabled) {
     const float multiplier = grad_multiplier(call.inputs);
@@ -126,7 +124,7 @@ void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, i
               with_bool(call.inputs.write_grad, [&](auto write_grad) {
                 adamw_block_range<p.value, g.value, m.value, codec.value, amsgrad.value,
                                   write_grad.value>(call, tensor, coefficients, multiplier, begin,
-                                                    end, stream_params);
+                                                    end);
               });
             });
           });
@@ -147,7 +145,7 @@ void adamw_chunk(const AdamWCall& call, const AdamWCoefficients& coefficients, i
         with_bool(call.hyper.amsgrad, [&](auto amsgrad) {
           with_bool(call.inputs.write_grad, [&](auto write_grad) {
             adamw_range<p.value, g.value, m.value, amsgrad.value, write_grad.value>(
-                pointers, coefficients, multiplier, begin, end, stream_params);
+                pointers, coefficients, multiplier, begin, end);
           });
         });
       });
@@ -175,11 +173,9 @@ void adamw_cpu(const AdamWCall& call) {
                                               h.maximize, double(*static_cast<float*>(step)) + 1.0));
   }
   const AdamWCall::CpuChunk chunk = cpu_chunk<AdamWCall>();
-  // Bytes a param moves: p, g, m, v and an fp32 master, about (see bench_optim's JOB_BYTES).
-  const bool stream = stream_param_stores(call.lists.numels, 28);
   static_assert(kChunkSize % kCodecBlock == 0, "CPU chunks must hold whole codec blocks");
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
-    chunk(call, coefficients[tensor], tensor, begin, end, stream);
+    chunk(call, coefficients[tensor], tensor, begin, end);
   });
   increment_steps(steps);
 }

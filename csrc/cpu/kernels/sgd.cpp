@@ -23,7 +23,7 @@ template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
-               int64_t begin, int64_t end, bool stream_params) {
+               int64_t begin, int64_t end) {
   if constexpr (P != staged<P> || G != staged<G>) {
     float param_tile[kStageLanes], grad_tile[kStageLanes];
     for_each_stage_group(begin, end, [&](int64_t first, auto n) {
@@ -31,9 +31,8 @@ void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float m
       if (kHasMomentum) tile.momentum_buffer += first;
       sgd_elements<staged<P>, staged<G>, staged_master<P, M>, kHasMomentum, kWriteGrad>(
           tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad, stream_params);
+      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
     });
-    finish_param_stream<M>(stream_params);
   } else {
     // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
     for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
@@ -52,7 +51,7 @@ void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float m
 // call's state codec, the param through its master mode or stochastic rounding.
 template <DType P, DType G, MasterKind M, StateCodec C, bool kHasMomentum, bool kWriteGrad>
 void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients c, float multiplier,
-                     int64_t begin, int64_t end, bool stream_params) {
+                     int64_t begin, int64_t end) {
   const auto& lists = call.lists.pointers;
   void* param = lists[kSgdParam][tensor];
   void* grad = lists[kSgdGrad][tensor];
@@ -84,16 +83,15 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
       }
       unstage_grad_block<G>(grad, first, group, static_cast<const float*>(tile.grad), kWriteGrad);
       unstage_value_block<P, M>(param, master, first, group, static_cast<const float*>(tile.param),
-                                rounding.enabled, key, stream_params);
+                                rounding.enabled, key);
     });
     if (kHasMomentum) momentum.end_block(b, block, n);
   });
   if (kHasMomentum) momentum.finish();
-  finish_param_stream<M>(stream_params);
 }
 
 void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t tensor,
-               int64_t begin, int64_t end, bool stream_params) {
+               int64_t begin, int64_t end) {
   const auto& lists = call.lists.pointers;
   if (call.state_codec != StateCodec::kFloat32 || call.rounding.enabled) {
     const float multiplier = grad_multiplier(call.inputs);
@@ -105,7 +103,7 @@ void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t
               with_bool(call.inputs.write_grad, [&](auto write_grad) {
                 sgd_block_range<p.value, g.value, m.value, codec.value, has_momentum.value,
                                 write_grad.value>(call, tensor, coefficients, multiplier, begin,
-                                                  end, stream_params);
+                                                  end);
               });
             });
           });
@@ -124,7 +122,7 @@ void sgd_chunk(const SgdCall& call, const SgdCoefficients& coefficients, int64_t
         with_bool(coefficients.momentum != 0.0f, [&](auto has_momentum) {
           with_bool(call.inputs.write_grad, [&](auto write_grad) {
             sgd_range<p.value, g.value, m.value, has_momentum.value, write_grad.value>(
-                pointers, coefficients, multiplier, begin, end, stream_params);
+                pointers, coefficients, multiplier, begin, end);
           });
         });
       });
@@ -153,10 +151,8 @@ void sgd_cpu(const SgdCall& call) {
                                             h.nesterov, h.maximize, first_step));
   }
   const SgdCall::CpuChunk chunk = cpu_chunk<SgdCall>();
-  // Bytes a param moves with momentum and an fp32 master, about (see bench_optim's JOB_BYTES).
-  const bool stream = stream_param_stores(call.lists.numels, 20);
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
-    chunk(call, coefficients[tensor], tensor, begin, end, stream);
+    chunk(call, coefficients[tensor], tensor, begin, end);
   });
   increment_steps(steps);
 }
