@@ -362,10 +362,11 @@ template <DType P, DType G, MasterKind M, typename Pointers>
 
 // [note: block staging] The optimizer modes with coded states (bf16 or 8-bit moments,
 // math/codec.h) or stochastically rounded params run a chunk one codec block (kCodecBlock
-// elements) at a time: each state, param and grad of the block is staged into an fp32 tile here,
-// the optimizer's math runs on the tiles as fp32, and the tiles are stored back through the
-// same codecs. The codec is a parameter of these helpers, so every optimizer gets every codec
-// at once, and a block's scale is computed from the whole block after its update.
+// elements) at a time, in groups of kBlockGroup ([note: group staging]): each state, param and
+// grad of a group is staged as fp32 here, the optimizer's math runs on them, and they are stored
+// back through the same codecs. The codec is a parameter of these helpers, so every optimizer
+// gets every codec at once, and a block's scale is computed from the whole block after its
+// update.
 namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {
 
