@@ -95,6 +95,35 @@ def test_every_isa_build_and_thread_count_gives_the_same_bits(
         assert_bitwise(results[0], result)
 
 
+def test_stochastic_rounding_of_non_finite_and_overflowing_values_is_the_same_on_every_isa_build() -> None:
+    """The vector stochastic bf16 rounding (cpu/staging.h) takes float_to_bf16's rounding for
+    NaN and inf, and an update near bf16's largest value may round up to inf: every ISA build
+    must store the bits of the element function (the baseline build), NaN payloads included."""
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    values[::7] = float("nan")
+    values[3::11] = float("inf")
+    values[5::13] = -float("inf")
+    values[1::17] = 3.38e38  # within a stochastic rounding of bf16's overflow to inf
+    grads = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    grads[2::19] = float("nan")
+    previous = _C.cpu_isa()
+    results = []
+    try:
+        for isa in SUPPORTED_CPU_ISAS:
+            _C.set_cpu_isa(isa)
+            param = torch.nn.Parameter(values.to(torch.bfloat16))
+            param.grad = grads.to(torch.bfloat16)
+            opt = fusedamp.FusedAdamW([param], lr=0.5, master_weights="stochastic", seed=7)
+            for _ in range(2):
+                opt.step()
+            results.append(param.detach().view(torch.int16).clone())
+    finally:
+        _C.set_cpu_isa(previous)
+    for result in results[1:]:
+        assert torch.equal(results[0], result)
+    assert results[0].view(torch.bfloat16).isnan().any() and results[0].view(torch.bfloat16).isinf().any()
+
+
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
 def test_a_found_inf_step_changes_no_bit(optimizer, dtype, master_weights, moments) -> None:

@@ -441,6 +441,17 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm512_storeu_ps(values, _mm512_castsi512_ps(a));
 }
+[[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm512_xor_si512(a, b); }
+[[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
+  return _mm512_maskz_mullo_epi32(__mmask16(0xffff), a, lanes_of(b));
+}
+[[gnu::always_inline]] inline CodeLanes lane_indices() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+// The low 16 bits of each lane to kCodeLanes halves.
+[[gnu::always_inline]] inline void store_half_lanes(uint16_t* halves, CodeLanes a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves), _mm512_maskz_cvtepi32_epi16(__mmask16(0xffff), a));
+}
 #elif FUSEDAMP_F16C_LANES == 8
 constexpr int64_t kCodeLanes = 8;
 using CodeLanes = __m256i;
@@ -502,6 +513,17 @@ using LaneMask = __m256i;
 }
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm256_storeu_ps(values, _mm256_castsi256_ps(a));
+}
+[[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm256_xor_si256(a, b); }
+[[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
+  return _mm256_mullo_epi32(a, lanes_of(b));
+}
+[[gnu::always_inline]] inline CodeLanes lane_indices() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+// The low 16 bits of each lane (each below 2^16, which the unsigned-saturating pack keeps) to
+// kCodeLanes halves.
+[[gnu::always_inline]] inline void store_half_lanes(uint16_t* halves, CodeLanes a) {
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(halves), _mm256_castsi256_si128(packed));
 }
 #endif
 
@@ -781,13 +803,50 @@ class StagedState {
   uint32_t pending_top_ = 0;
 };
 
+#if FUSEDAMP_F16C_LANES
+// stochastic.h's rounding_bits and float_to_bf16_stochastic, a vector at a time (g++ split the
+// element loop into 8-lane halves with stack spills: the stochastic steps ran at a third of the
+// stream ceiling). `elements`: the element index of each lane, as rounding_bits truncates it.
+[[gnu::always_inline]] inline CodeLanes rounding_bit_lanes(uint32_t key, CodeLanes elements) {
+  CodeLanes x = xor_lanes(elements, lanes_of(key));
+  x = xor_lanes(x, shift_right(x, 16));
+  x = mul_lanes(x, 0x7feb352du);
+  x = xor_lanes(x, shift_right(x, 15));
+  x = mul_lanes(x, 0x846ca68bu);
+  return xor_lanes(x, shift_right(x, 16));
+}
+
+// The bf16 bits (in the low half of each lane) of fp32 values rounded with `random`; a lane with
+// a non-finite value takes float_to_bf16's rounding.
+[[gnu::always_inline]] inline CodeLanes bf16_stochastic_lanes(CodeLanes bits, CodeLanes random) {
+  CodeLanes result = shift_right(add_lanes(bits, and_lanes(random, lanes_of(0xffffu))), 16);
+  const LaneMask non_finite = lanes_at_least(and_lanes(bits, lanes_of(0x7fffffffu)), 0x7f800000u);
+  if (any_lane(non_finite)) {
+    const CodeLanes high = shift_right(bits, 16);
+    const CodeLanes nearest = shift_right(add_lanes(bits, add_lanes(lanes_of(0x7fffu), and_lanes(high, lanes_of(1)))), 16);
+    const LaneMask nan = both(non_finite, lanes_nonzero(and_lanes(bits, lanes_of(0x007fffffu))));
+    result = select_lanes(non_finite, select_lanes(nan, or_masked(high, lanes_of(0x40u), 0x40u), nearest), result);
+  }
+  return result;
+}
+#endif
+
 // fp32 values to fp16/bf16 params, rounded stochastically with the bits of elements
-// [first_element, first_element + n) under `key` (math/stochastic.h).
+// [first_element, first_element + n) under `key` (math/stochastic.h); bf16 a vector at a time.
 template <DType P>
 [[gnu::always_inline]] inline void float_tile_to_half_stochastic(const float* src, uint16_t* dst, int64_t n,
                                                                  uint32_t key, int64_t first_element) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  if constexpr (P == DType::kBFloat16) {
+    const CodeLanes lane_index = lane_indices();
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element + i)), lane_index);
+      store_half_lanes(dst + i, bf16_stochastic_lanes(load_bit_lanes(src + i), rounding_bit_lanes(key, elements)));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
     dst[i] = float_to_half_stochastic<P>(src[i], rounding_bits(key, first_element + i));
   }
 }
