@@ -817,15 +817,15 @@ class StagedState {
 }
 
 // The bf16 bits (in the low half of each lane) of fp32 values rounded with `random`; a lane with
-// a non-finite value takes float_to_bf16's rounding.
+// a non-finite value takes float_to_bf16's result, which for an inf is its high half and for a
+// NaN that half made quiet (| 0x40).
 [[gnu::always_inline]] inline CodeLanes bf16_stochastic_lanes(CodeLanes bits, CodeLanes random) {
   CodeLanes result = shift_right(add_lanes(bits, and_lanes(random, lanes_of(0xffffu))), 16);
   const LaneMask non_finite = lanes_at_least(and_lanes(bits, lanes_of(0x7fffffffu)), 0x7f800000u);
   if (any_lane(non_finite)) {
     const CodeLanes high = shift_right(bits, 16);
-    const CodeLanes nearest = shift_right(add_lanes(bits, add_lanes(lanes_of(0x7fffu), and_lanes(high, lanes_of(1)))), 16);
     const LaneMask nan = both(non_finite, lanes_nonzero(and_lanes(bits, lanes_of(0x007fffffu))));
-    result = select_lanes(non_finite, select_lanes(nan, or_masked(high, lanes_of(0x40u), 0x40u), nearest), result);
+    result = select_lanes(non_finite, select_lanes(nan, or_masked(high, lanes_of(0x40u), 0x40u), high), result);
   }
   return result;
 }
@@ -851,7 +851,7 @@ template <DType P>
   }
 }
 
-// The fp32 value an optimizer updates for one block of a param: the param itself (fp32), its fp32
+// The fp32 values an optimizer updates for a range of a param: the param itself (fp32), its fp32
 // master (reseeded where the param was edited, [note: edited params]), or `tile` (a half param,
 // joined with its remainder when it has one).
 template <DType P, MasterKind M>
@@ -871,7 +871,7 @@ template <DType P, MasterKind M>
   return tile;
 }
 
-// Writes a block's updated value back: nothing for fp32 params; the half param rounded from its
+// Writes a range's updated values back: nothing for fp32 params; the half param rounded from its
 // fp32 master, split with its remainder, or rounded to nearest or
 // stochastically (rounding_key set) when it has no master.
 template <DType P, MasterKind M>
@@ -892,7 +892,7 @@ template <DType P, MasterKind M>
   }
 }
 
-// A block of grads as fp32: the grads themselves (fp32) or `tile`; written back by
+// A range of grads as fp32: the grads themselves (fp32) or `tile`; written back by
 // unstage_grad_block when the step writes the grads it used.
 template <DType G>
 [[gnu::always_inline]] inline float* stage_grad_block(void* grad, int64_t begin, int64_t n, float* tile) {
