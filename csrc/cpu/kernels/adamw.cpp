@@ -25,30 +25,30 @@ template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 template <DType P, DType G, MasterKind M, bool kAmsgrad, bool kWriteGrad>
 void adamw_range(const AdamWTensorPointers& tensor, const AdamWCoefficients c, float multiplier,
                  int64_t begin, int64_t end) {
-  if constexpr (P != staged<P> || G != staged<G>) {
-    float param_tile[kStageLanes], grad_tile[kStageLanes];
-    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
-      AdamWTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
-      tile.exp_avg += first;
-      tile.exp_avg_sq += first;
-      if (kAmsgrad) tile.max_exp_avg_sq += first;
-      adamw_elements<staged<P>, staged<G>, staged_master<P, M>, kAmsgrad, kWriteGrad>(
-          tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
-    });
-  } else {
-    // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
-    for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
-      if (kAmsgrad) {
-        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
-                                                      tensor.exp_avg, tensor.exp_avg_sq, tensor.max_exp_avg_sq);
-      } else {
-        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
-                                                      tensor.exp_avg, tensor.exp_avg_sq);
-      }
-      adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, first, first + n);
-    });
-  }
+  // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
+    if (kAmsgrad) {
+      prefetch_ahead<P, G, M, StateCodec::kFloat32>(block, end, tensor.param, tensor.master, tensor.grad,
+                                                    tensor.exp_avg, tensor.exp_avg_sq, tensor.max_exp_avg_sq);
+    } else {
+      prefetch_ahead<P, G, M, StateCodec::kFloat32>(block, end, tensor.param, tensor.master, tensor.grad,
+                                                    tensor.exp_avg, tensor.exp_avg_sq);
+    }
+    if constexpr (P != staged<P> || G != staged<G>) {
+      float param_tile[kStageLanes], grad_tile[kStageLanes];
+      for_each_stage_group(block, block + n, [&](int64_t first, auto group) {
+        AdamWTensorPointers tile = staged_tile<P, G, M>(tensor, first, group, param_tile, grad_tile);
+        tile.exp_avg += first;
+        tile.exp_avg_sq += first;
+        if (kAmsgrad) tile.max_exp_avg_sq += first;
+        adamw_elements<staged<P>, staged<G>, staged_master<P, M>, kAmsgrad, kWriteGrad>(
+            tile, c, multiplier, 0, group);
+        unstage_tile<P, G, M>(tensor, first, group, param_tile, grad_tile, kWriteGrad);
+      });
+    } else {
+      adamw_elements<P, G, M, kAmsgrad, kWriteGrad>(tensor, c, multiplier, block, block + n);
+    }
+  });
 }
 
 // [note: block staging] The coded modes: each codec block's param value, grad and moments staged

@@ -24,27 +24,27 @@ template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 template <DType P, DType G, MasterKind M, bool kHasMomentum, bool kWriteGrad>
 void sgd_range(const SgdTensorPointers& tensor, const SgdCoefficients c, float multiplier,
                int64_t begin, int64_t end) {
-  if constexpr (P != staged<P> || G != staged<G>) {
-    float param_tile[kStageLanes], grad_tile[kStageLanes];
-    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
-      SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, n, param_tile, grad_tile);
-      if (kHasMomentum) tile.momentum_buffer += first;
-      sgd_elements<staged<P>, staged<G>, staged_master<P, M>, kHasMomentum, kWriteGrad>(
-          tile, c, multiplier, 0, n);
-      unstage_tile<P, G, M>(tensor, first, n, param_tile, grad_tile, kWriteGrad);
-    });
-  } else {
-    // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
-    for_each_codec_block(begin, end, [&](int64_t first, int64_t n) {
-      if (kHasMomentum) {
-        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad,
-                                                      tensor.momentum_buffer);
-      } else {
-        prefetch_ahead<P, G, M, StateCodec::kFloat32>(first, end, tensor.param, tensor.master, tensor.grad);
-      }
-      sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, first, first + n);
-    });
-  }
+  // A block at a time behind the prefetches of the blocks ahead ([note: block prefetch]).
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
+    if (kHasMomentum) {
+      prefetch_ahead<P, G, M, StateCodec::kFloat32>(block, end, tensor.param, tensor.master, tensor.grad,
+                                                    tensor.momentum_buffer);
+    } else {
+      prefetch_ahead<P, G, M, StateCodec::kFloat32>(block, end, tensor.param, tensor.master, tensor.grad);
+    }
+    if constexpr (P != staged<P> || G != staged<G>) {
+      float param_tile[kStageLanes], grad_tile[kStageLanes];
+      for_each_stage_group(block, block + n, [&](int64_t first, auto group) {
+        SgdTensorPointers tile = staged_tile<P, G, M>(tensor, first, group, param_tile, grad_tile);
+        if (kHasMomentum) tile.momentum_buffer += first;
+        sgd_elements<staged<P>, staged<G>, staged_master<P, M>, kHasMomentum, kWriteGrad>(
+            tile, c, multiplier, 0, group);
+        unstage_tile<P, G, M>(tensor, first, group, param_tile, grad_tile, kWriteGrad);
+      });
+    } else {
+      sgd_elements<P, G, M, kHasMomentum, kWriteGrad>(tensor, c, multiplier, block, block + n);
+    }
+  });
 }
 
 // [note: block staging] The coded modes, as adamw_block_range: the momentum buffer through the
