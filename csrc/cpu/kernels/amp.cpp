@@ -32,8 +32,12 @@ bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
   }
   auto* typed = static_cast<storage_t<G>*>(grad);
   int32_t found = 0;
+  // A block at a time behind the prefetch of the block ahead ([note: block prefetch]).
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
+    prefetch_block<storage_t<G>>(grad, block + kPrefetchBlocks * kCodecBlock, end);
 #pragma omp simd reduction(| : found)
-  for (int64_t i = begin; i < end; ++i) found |= int32_t(unscale_element<G>(typed, i, inv_scale));
+    for (int64_t i = block; i < block + n; ++i) found |= int32_t(unscale_element<G>(typed, i, inv_scale));
+  });
   return found != 0;
 }
 
