@@ -11,34 +11,36 @@ inline namespace FUSEDAMP_ISA {
 namespace {
 
 // Half grads go through fp32 one vector at a time ([note: half staging]), with one flag per
-// lane: the groups set them lane by lane, and the lanes are combined once at the end.
+// lane: the groups set them lane by lane, and the lanes are combined once at the end. Each
+// codec block first prefetches the one kPrefetchBlocks ahead ([note: block prefetch]): without
+// it, bf16 grads on the AVX2 build (16.8M in 200 tensors, 1 thread, a 2-core Xeon) took 10.1 ms,
+// 0.87x torch's unscale, and 3.7 ms with it.
 template <DType G>
 bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
-  if constexpr (G != staged<G>) {
-    auto* halves = static_cast<uint16_t*>(grad);
-    int32_t found[kStageLanes] = {};
-    for_each_stage_group(begin, end, [&](int64_t first, auto n) {
-      float lanes[kStageLanes];
-      half_tile_to_float<G>(halves + first, lanes, n);
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        found[j] |= int32_t(unscale_element<DType::kFloat32>(lanes, j, inv_scale));
-      }
-      float_tile_to_half<G>(lanes, halves + first, n);
-    });
-    bool any = false;
-    for (const int32_t flag : found) any |= flag != 0;
-    return any;
-  }
   auto* typed = static_cast<storage_t<G>*>(grad);
-  int32_t found = 0;
-  // A block at a time behind the prefetch of the block ahead ([note: block prefetch]).
-  for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
+  int32_t found[kStageLanes] = {};
+  for_each_codec_block(begin, end, [&](int64_t block, int64_t count) {
     prefetch_block<storage_t<G>>(grad, block + kPrefetchBlocks * kCodecBlock, end);
-#pragma omp simd reduction(| : found)
-    for (int64_t i = block; i < block + n; ++i) found |= int32_t(unscale_element<G>(typed, i, inv_scale));
+    if constexpr (G != staged<G>) {
+      for_each_stage_group(block, block + count, [&](int64_t first, auto n) {
+        float lanes[kStageLanes];
+        half_tile_to_float<G>(reinterpret_cast<uint16_t*>(typed) + first, lanes, n);
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+          found[j] |= int32_t(unscale_element<DType::kFloat32>(lanes, j, inv_scale));
+        }
+        float_tile_to_half<G>(lanes, reinterpret_cast<uint16_t*>(typed) + first, n);
+      });
+    } else {
+      int32_t any = 0;
+#pragma omp simd reduction(| : any)
+      for (int64_t i = block; i < block + count; ++i) any |= int32_t(unscale_element<G>(typed, i, inv_scale));
+      found[0] |= any;
+    }
   });
-  return found != 0;
+  bool any = false;
+  for (const int32_t flag : found) any |= flag != 0;
+  return any;
 }
 
 // The read-only check keeps its sums of squares in kSumLanes lanes: four vectors on AVX-512 and
