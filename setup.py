@@ -11,7 +11,9 @@ reports; MAX_JOBS bounds the parallel compile jobs.
 import glob
 import importlib.util
 import os
+import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,6 +137,27 @@ for site in sys.path:
 # build and the CUDA kernels then round alike, so optimizer states (8-bit codes included) are
 # bitwise the same on AVX-512, AVX2, baseline and CUDA.
 cxx_flags = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+
+
+def compiler_is_gcc_for_x86() -> bool:
+    """Whether the C++ compiler torch builds with is GCC targeting x86-64."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        found = subprocess.run(shlex.split(os.environ.get("CXX", "c++")) + ["--version"],
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return "Free Software Foundation" in found.stdout
+
+
+# GCC keeps the vector constants (set1 of one value) that register pressure leaves inside a loop
+# as a move from an integer register and a broadcast, two shuffle-port uops each time; without
+# integer-to-vector moves it folds them into the instructions as memory operands. The int8
+# AdamW step on the AVX2 build (16.8M fp32 params, 1 thread, a 2-core Xeon) went from 22.1 to
+# 20.3 ms with it, 0.98x to 1.04x torch's fused step; the codes are the same bits.
+if compiler_is_gcc_for_x86():
+    cxx_flags.append("-mtune-ctrl=^inter_unit_moves_to_vec")
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 link_flags = ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
 CPU_ISAS = ("avx512", "avx2", "baseline")
