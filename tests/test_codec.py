@@ -150,8 +150,14 @@ def test_vector_codes_equal_the_element_codes_for_every_bit_pattern(cpu_isa: str
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_code_decodes_as_the_element_function_on_every_build(cpu_isa: str, signed: bool) -> None:
-    codes = torch.arange(256, dtype=torch.uint8).repeat(4)
-    scales = torch.tensor([2.0**-126, 1.0, 2.0**-60, 2.0**127])
+    """Powers of two from the top exponent where the vector decoders add to the exponent
+    ([note: normal decode]) down to just below it, and scales that are no power of two (a state
+    dict may hold any float), which take the multiply."""
+    top = 15 if signed else 31
+    powers = [2.0**127, 1.0, 2.0**-60, 2.0 ** (top - 127), 2.0 ** (top - 128), 2.0**-126, 2.0**-140]
+    others = [3.0, 0.7, -2.0, -0.0, 0.0, float("inf"), float("nan"), 1.5 * 2.0**-120]
+    scales = torch.tensor(powers + others)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(scales.numel())
     decoded = ops.decode_state(codes, scales, signed)
     previous = _C.set_cpu_isa("baseline")
     try:

@@ -380,6 +380,10 @@ using CodeLanes = __m512i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm512_maskz_cvtepu8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
 }
+// Sign-extended: a code with its top bit set fills bits 31..7 of its lane.
+[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
+  return _mm512_maskz_cvtepi8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_maskz_cvtepi32_epi8(__mmask16(0xffff), lanes));
 }
@@ -392,6 +396,13 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes select_lanes(LaneMask pick, CodeLanes a, CodeLanes b) {
   return _mm512_mask_blend_epi32(pick, b, a);
 }
+// a where `pick`, else 0.
+[[gnu::always_inline]] inline CodeLanes keep_lanes(LaneMask pick, CodeLanes a) { return _mm512_maskz_mov_epi32(pick, a); }
+[[gnu::always_inline]] inline LaneMask all_lanes() { return __mmask16(0xffff); }
+// store_code_lanes of keep_lanes(kept, codes): the narrowing zeroes the other lanes.
+[[gnu::always_inline]] inline void store_kept_code_lanes(uint8_t* out, LaneMask kept, CodeLanes codes) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(kept, codes));
+}
 [[gnu::always_inline]] inline LaneMask lanes_at_least(CodeLanes a, uint32_t bound) {
   return _mm512_cmpge_epi32_mask(a, lanes_of(bound));
 }
@@ -402,6 +413,10 @@ using LaneMask = __mmask16;
   return _mm512_cmplt_epi32_mask(a, lanes_of(bound));
 }
 [[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) { return _mm512_test_epi32_mask(a, a); }
+// The lanes of a with none of `bits` set.
+[[gnu::always_inline]] inline LaneMask lanes_without(CodeLanes a, uint32_t bits) {
+  return _mm512_testn_epi32_mask(a, lanes_of(bits));
+}
 [[gnu::always_inline]] inline LaneMask no_lanes() { return 0; }
 [[gnu::always_inline]] inline bool any_lane(LaneMask m) { return m != 0; }
 [[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return a & b; }
@@ -458,6 +473,9 @@ using CodeLanes = __m256i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
+[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+}
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   // The low byte of each 32-bit lane to the low 4 bytes of its 128-bit half, then both halves joined.
   const __m256i gather = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -476,6 +494,7 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes select_lanes(LaneMask pick, CodeLanes a, CodeLanes b) {
   return _mm256_blendv_epi8(b, a, pick);
 }
+[[gnu::always_inline]] inline CodeLanes keep_lanes(LaneMask pick, CodeLanes a) { return _mm256_and_si256(a, pick); }
 [[gnu::always_inline]] inline LaneMask lanes_at_least(CodeLanes a, uint32_t bound) {
   return _mm256_cmpgt_epi32(a, lanes_of(bound - 1));
 }
@@ -487,6 +506,9 @@ using LaneMask = __m256i;
 }
 [[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) {
   return _mm256_xor_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), lanes_of(0xffffffffu));
+}
+[[gnu::always_inline]] inline LaneMask lanes_without(CodeLanes a, uint32_t bits) {
+  return _mm256_cmpeq_epi32(_mm256_and_si256(a, lanes_of(bits)), _mm256_setzero_si256());
 }
 [[gnu::always_inline]] inline LaneMask no_lanes() { return _mm256_setzero_si256(); }
 [[gnu::always_inline]] inline bool any_lane(LaneMask m) { return !_mm256_testz_si256(m, m); }
@@ -525,28 +547,72 @@ using LaneMask = __m256i;
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(halves), _mm256_castsi256_si128(packed));
 }
+[[gnu::always_inline]] inline LaneMask all_lanes() { return lanes_of(0xffffffffu); }
+[[gnu::always_inline]] inline void store_kept_code_lanes(uint8_t* out, LaneMask kept, CodeLanes codes) {
+  store_code_lanes(out, keep_lanes(kept, codes));
+}
+// Two vectors of codes (each below 256) as 2 * kCodeLanes bytes, in three shuffles instead of
+// store_code_lanes' three per vector: a pack to words ([a0-3 b0-3 | a4-7 b4-7]), one to bytes
+// (each 128-bit half twice), and a gather of the dwords in order.
+[[gnu::always_inline]] inline void store_code_lane_pair(uint8_t* out, CodeLanes a, CodeLanes b) {
+  const __m256i words = _mm256_packus_epi32(a, b);
+  const __m256i bytes = _mm256_packus_epi16(words, words);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(ordered));
+}
 #endif
 
+// What encoding a block of codes needs to know of its values: the top exponent (codec.h's
+// block_top_exponent of its largest finite magnitude) and whether all of them are finite.
+struct BlockTop {
+  uint32_t exponent;
+  bool all_finite;
+};
+
 #if FUSEDAMP_F16C_LANES
-// encode_code on a vector of fp32 bit patterns, for a block of top exponent `top`.
-// kNormalBlock: top > kTopExponent, where a value below fp32's normal range rounds to at most
-// 0x87ffff, so its code is below 8 and `code >= 8` alone decides what a value keeps (the blocks of
-// any real moment; the others, all-zero ones included, take the general form). There the
-// offset is also folded into the rounding constant: (m + 0x80000 - (offset << 20)) >> 20
-// (arithmetic) is (m + 0x80000) >> 20 - offset exactly, and cannot overflow.
-template <bool kSigned, bool kNormalBlock>
-[[gnu::always_inline]] inline CodeLanes encode_code_lanes(CodeLanes bits, uint32_t top) {
+// The forms of the vector encoder, by what a block's values allow.
+enum class EncodeForm {
+  kGeneral,  // any block, all-zero ones included
+  // top > kTopExponent: a value below fp32's normal range rounds to at most 0x87ffff, so its code
+  // is below 8 and `code >= 8` alone decides what a value keeps (the blocks of any real moment).
+  // The offset is folded into the rounding constant: (m + 0x80000 - (offset << 20)) >> 20
+  // (arithmetic) is (m + 0x80000) >> 20 - offset exactly, and cannot overflow.
+  kNormal,
+  // kNormal with every value finite and top < 254 (so not clamped by block_top_exponent): no lane
+  // needs the non-finite codes, and no code exceeds the top binade, so none is clamped.
+  kFiniteNormal,
+};
+
+// A vector of codes; the lanes outside `kept` are 0, which the store writes (on AVX-512 the
+// narrowing store zeroes them: one instruction fewer than a select before it).
+struct CodeVector {
+  CodeLanes codes;
+  LaneMask kept;
+};
+
+[[gnu::always_inline]] inline void store_code_vector(uint8_t* out, const CodeVector& v) {
+  store_kept_code_lanes(out, v.kept, v.codes);
+}
+
+// encode_code on the next kCodeLanes values of a block of top exponent `top`.
+template <bool kSigned, EncodeForm kForm>
+[[gnu::always_inline]] inline CodeVector encode_code_lanes(const float* values, uint32_t top) {
   using Code = BlockCode<kSigned>;
   const uint32_t offset = uint32_t(int32_t(top) - Code::kTopExponent) * 8u;
+  const CodeLanes bits = load_bit_lanes(values);
   const CodeLanes magnitude = and_lanes(bits, lanes_of(0x7fffffffu));
   CodeLanes result;
-  if constexpr (kNormalBlock) {
+  LaneMask kept = all_lanes();
+  if constexpr (kForm != EncodeForm::kGeneral) {
     const CodeLanes rounded = add_lanes(magnitude, lanes_of(0x80000u - (offset << 20)));
-    const CodeLanes code = min_lanes(shift_right_signed(rounded, 20), lanes_of(Code::kMagnitudeMask));
+    CodeLanes code = shift_right_signed(rounded, 20);
+    if constexpr (kForm == EncodeForm::kNormal) code = min_lanes(code, lanes_of(Code::kMagnitudeMask));
     if constexpr (kSigned) {
-      result = select_lanes(lanes_at_least(code, 8), code, lanes_of(0));
+      result = keep_lanes(lanes_at_least(code, 8), code);
     } else {
-      result = select_lanes(lanes_nonzero(magnitude), max_lanes(code, lanes_of(Code::kSmallest)), lanes_of(0));
+      // A zero stays 0 (outside `kept`); any other value keeps at least the smallest code.
+      result = max_lanes(code, lanes_of(Code::kSmallest));
+      kept = lanes_nonzero(magnitude);
     }
   } else {
     const CodeLanes rounded = add_lanes(magnitude, lanes_of(0x80000u));
@@ -555,17 +621,31 @@ template <bool kSigned, bool kNormalBlock>
     const LaneMask representable =
         top != 0 ? both(lanes_at_least(code, 8), lanes_at_least(magnitude, 0x00800000u)) : no_lanes();
     const CodeLanes flushed =
-        kSigned ? lanes_of(0) : select_lanes(lanes_nonzero(magnitude), lanes_of(Code::kSmallest), lanes_of(0));
+        kSigned ? lanes_of(0) : keep_lanes(lanes_nonzero(magnitude), lanes_of(Code::kSmallest));
     result = select_lanes(representable, code, flushed);
   }
-  const LaneMask non_finite = lanes_at_least(magnitude, 0x7f800000u);
-  if (any_lane(non_finite)) {
-    const CodeLanes special =
-        select_lanes(lanes_equal(magnitude, 0x7f800000u), lanes_of(Code::kInf), lanes_of(Code::kNan));
-    result = select_lanes(non_finite, special, result);
+  if constexpr (kForm != EncodeForm::kFiniteNormal) {
+    const LaneMask non_finite = lanes_at_least(magnitude, 0x7f800000u);
+    if (any_lane(non_finite)) {
+      const CodeLanes special =
+          select_lanes(lanes_equal(magnitude, 0x7f800000u), lanes_of(Code::kInf), lanes_of(Code::kNan));
+      result = select_lanes(non_finite, special, result);
+    }
   }
   if constexpr (kSigned) result = or_masked(result, shift_right(bits, 24), 0x80u);
-  return result;
+  return {result, kept};
+}
+
+// What decode_code gives for the codes of E = 0 (zero, NaN, inf), with their signs.
+template <bool kSigned>
+[[gnu::always_inline]] inline CodeLanes special_code_values(CodeLanes codes) {
+  using Code = BlockCode<kSigned>;
+  const CodeLanes magnitude = and_lanes(codes, lanes_of(Code::kMagnitudeMask));
+  const CodeLanes nan_or_inf =
+      select_lanes(lanes_equal(magnitude, Code::kNan), lanes_of(0x7fc00000u), lanes_of(0x7f800000u));
+  CodeLanes value = select_lanes(lanes_equal(magnitude, 0), lanes_of(0), nan_or_inf);
+  if constexpr (kSigned) value = or_masked(value, shift_left(codes, 24), 0x80000000u);
+  return value;
 }
 
 // decode_code on a vector of codes (one per 32-bit lane), as fp32 bit patterns.
@@ -576,16 +656,51 @@ template <bool kSigned>
   const CodeLanes relative =
       add_lanes(shift_left(magnitude, 20), lanes_of(uint32_t(127 - Code::kTopExponent) << 23));
   CodeLanes result = mul_as_floats(relative, scale);
-  const LaneMask special = lanes_below(magnitude, 8);
-  if (any_lane(special)) {
-    const CodeLanes nan_or_inf =
-        select_lanes(lanes_equal(magnitude, Code::kNan), lanes_of(0x7fc00000u), lanes_of(0x7f800000u));
-    result = select_lanes(special, select_lanes(lanes_equal(magnitude, 0), lanes_of(0), nan_or_inf), result);
-  }
   if constexpr (kSigned) result = or_masked(result, shift_left(codes, 24), 0x80000000u);
+  const LaneMask special = lanes_below(magnitude, 8);
+  if (any_lane(special)) result = select_lanes(special, special_code_values<kSigned>(codes), result);
+  return result;
+}
+
+// decode_code on the next kCodeLanes codes of a block decoded by an exponent add ([note: normal
+// decode]): E and M shifted into place under the sign, plus the offset.
+template <bool kSigned>
+[[gnu::always_inline]] inline CodeLanes decode_normal_code_lanes(const uint8_t* codes, uint32_t exponent_offset) {
+  CodeLanes code, result;
+  LaneMask special;
+  if constexpr (kSigned) {
+    // Sign-extended, (code << 20) holds the sign in bits 31..27 and E, M in bits 26..20.
+    code = load_signed_code_lanes(codes);
+    result = add_lanes(and_lanes(shift_left(code, 20), lanes_of(0x87ffffffu)), lanes_of(exponent_offset));
+    special = lanes_without(code, 0x78u);
+  } else {
+    code = load_code_lanes(codes);
+    result = add_lanes(shift_left(code, 20), lanes_of(exponent_offset));
+    special = lanes_below(code, 8);
+  }
+  if (any_lane(special)) result = select_lanes(special, special_code_values<kSigned>(code), result);
   return result;
 }
 #endif
+
+// [note: normal decode] decode_code multiplies a code's value relative to the top binade by its
+// block's scale. When the scale is a power of two 2^(top - 127) with kTopExponent <= top <= 254,
+// every product is a normal fp32 number, so the multiply is exact and is an add of
+// (top - kTopExponent) << 23 to the relative value's bits: the vector decoders then add that
+// offset to the shifted code instead of building the relative value and multiplying. Every scale
+// a step writes is such a power of two unless its block is tiny or all zero.
+constexpr uint32_t kGeneralDecode = 0xffffffffu;
+
+// The exponent offset that decodes a block of this scale by an add, or kGeneralDecode.
+template <bool kSigned>
+[[gnu::always_inline]] inline uint32_t normal_decode_offset(float scale) {
+  const uint32_t bits = float_bits(scale);
+  const uint32_t top = bits >> 23;
+  const bool power_of_two = (bits & 0x807fffffu) == 0u;
+  return power_of_two && top >= uint32_t(BlockCode<kSigned>::kTopExponent) && top <= 254u
+             ? (top - uint32_t(BlockCode<kSigned>::kTopExponent)) << 23
+             : kGeneralDecode;
+}
 
 // The running maximum of the magnitude bits (non-finite ones included) of a block's values, folded
 // in a group of values at a time.
@@ -624,32 +739,53 @@ struct MagnitudeMax {
   }
 };
 
-// The top exponent of a block (n <= kCodecBlock values) whose largest magnitude bits are max_bits:
-// that of its largest finite magnitude (only a block that holds a NaN or inf looks again for it).
-[[gnu::always_inline]] inline uint32_t block_top_of(const float* values, int64_t n, uint32_t max_bits) {
-  if (max_bits >= 0x7f800000u) {
+// The top of a block (n <= kCodecBlock values) whose largest magnitude bits are max_bits: that of
+// its largest finite magnitude (only a block that holds a NaN or inf looks again for it).
+[[gnu::always_inline]] inline BlockTop block_top_of(const float* values, int64_t n, uint32_t max_bits) {
+  const bool all_finite = max_bits < 0x7f800000u;
+  if (!all_finite) {
     max_bits = 0;
     for (int64_t i = 0; i < n; ++i) max_bits = std::max(max_bits, finite_magnitude_bits(values[i]));
   }
-  return block_top_exponent(max_bits);
+  return {block_top_exponent(max_bits), all_finite};
 }
 
-// The codes of n values of a block of top exponent `top`.
-template <bool kSigned>
-[[gnu::always_inline]] inline void encode_codes(const float* values, int64_t n, uint32_t top, uint8_t* codes) {
-  int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
-  if (top > uint32_t(BlockCode<kSigned>::kTopExponent)) {
-    for (; i + kCodeLanes <= n; i += kCodeLanes) {
-      store_code_lanes(codes + i, encode_code_lanes<kSigned, true>(load_bit_lanes(values + i), top));
-    }
-  } else {
-    for (; i + kCodeLanes <= n; i += kCodeLanes) {
-      store_code_lanes(codes + i, encode_code_lanes<kSigned, false>(load_bit_lanes(values + i), top));
-    }
+// encode_code_lanes over the whole vectors of n values; returns how many values they took.
+template <bool kSigned, EncodeForm kForm>
+[[gnu::always_inline]] inline int64_t encode_code_vectors(const float* values, int64_t n, uint32_t top,
+                                                          uint8_t* codes) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES == 8
+  for (; i + 2 * kCodeLanes <= n; i += 2 * kCodeLanes) {
+    const CodeVector a = encode_code_lanes<kSigned, kForm>(values + i, top);
+    const CodeVector b = encode_code_lanes<kSigned, kForm>(values + i + kCodeLanes, top);
+    store_code_lane_pair(codes + i, keep_lanes(a.kept, a.codes), keep_lanes(b.kept, b.codes));
   }
 #endif
-  for (; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top);
+  for (; i + kCodeLanes <= n; i += kCodeLanes) {
+    store_code_vector(codes + i, encode_code_lanes<kSigned, kForm>(values + i, top));
+  }
+  return i;
+}
+#endif
+
+// The codes of n values of a block.
+template <bool kSigned>
+[[gnu::always_inline]] inline void encode_codes(const float* values, int64_t n, BlockTop top, uint8_t* codes) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  if (top.exponent > uint32_t(BlockCode<kSigned>::kTopExponent)) {
+    if (top.all_finite && top.exponent < 254u) {
+      i = encode_code_vectors<kSigned, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes);
+    } else {
+      i = encode_code_vectors<kSigned, EncodeForm::kNormal>(values, n, top.exponent, codes);
+    }
+  } else {
+    i = encode_code_vectors<kSigned, EncodeForm::kGeneral>(values, n, top.exponent, codes);
+  }
+#endif
+  for (; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top.exponent);
 }
 
 // A whole block (n <= kCodecBlock values) to codes and its scale.
@@ -657,17 +793,25 @@ template <bool kSigned>
 [[gnu::always_inline]] inline void encode_state_tile(const float* values, int64_t n, uint8_t* codes, float* scale) {
   MagnitudeMax largest;
   largest.fold(values, n);
-  const uint32_t top = block_top_of(values, n, largest.bits());
+  const BlockTop top = block_top_of(values, n, largest.bits());
   encode_codes<kSigned>(values, n, top, codes);
-  *scale = block_scale(top);
+  *scale = block_scale(top.exponent);
 }
 
+// n codes of a block of this scale and normal_decode_offset as fp32 values.
 template <bool kSigned>
-[[gnu::always_inline]] inline void decode_state_tile(const uint8_t* codes, float scale, int64_t n, float* values) {
+[[gnu::always_inline]] inline void decode_state_tile(const uint8_t* codes, float scale, uint32_t exponent_offset,
+                                                     int64_t n, float* values) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
-  for (; i + kCodeLanes <= n; i += kCodeLanes) {
-    store_bit_lanes(values + i, decode_code_lanes<kSigned>(load_code_lanes(codes + i), scale));
+  if (exponent_offset != kGeneralDecode) {
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      store_bit_lanes(values + i, decode_normal_code_lanes<kSigned>(codes + i, exponent_offset));
+    }
+  } else {
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      store_bit_lanes(values + i, decode_code_lanes<kSigned>(load_code_lanes(codes + i), scale));
+    }
   }
 #endif
   for (; i < n; ++i) values[i] = decode_code<kSigned>(codes[i], scale);
@@ -702,9 +846,10 @@ struct StateBlock {
   void* state;                    // the state at the block's first element
   float* values;                  // the block's fp32 values: the state itself, or a tile
   float scale;                    // int8: the block's scale
+  uint32_t decode_offset;         // int8: normal_decode_offset of the scale
   const float* pending_values;    // int8: the block before, to encode; null if none
   uint8_t* pending_codes;
-  uint32_t pending_top;
+  BlockTop pending_top;
   MagnitudeMax largest;
 
   // The values of the group of n at `offset` in the block.
@@ -712,7 +857,8 @@ struct StateBlock {
     if constexpr (C == StateCodec::kBFloat16) {
       bf16_tile_to_float(static_cast<const uint16_t*>(state) + offset, values + offset, n);
     } else if constexpr (C == StateCodec::kInt8) {
-      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, scale, n, values + offset);
+      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, scale, decode_offset, n,
+                                 values + offset);
     }
     return values + offset;
   }
@@ -756,6 +902,7 @@ class StagedState {
       block.state = static_cast<uint8_t*>(state_) + block_first;
       block.values = tiles_[current_];
       block.scale = scales_[block_first / kCodecBlock];
+      block.decode_offset = normal_decode_offset<kSigned>(block.scale);
       if (pending_n_ != 0) {
         block.pending_values = tiles_[current_ ^ 1];
         block.pending_codes = static_cast<uint8_t*>(state_) + pending_first_;
@@ -774,7 +921,7 @@ class StagedState {
         encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n);
       }
       pending_top_ = block_top_of(block.values, n, block.largest.bits());
-      scales_[block_first / kCodecBlock] = block_scale(pending_top_);
+      scales_[block_first / kCodecBlock] = block_scale(pending_top_.exponent);
       pending_first_ = block_first;
       pending_n_ = n;
       current_ ^= 1;
@@ -800,7 +947,7 @@ class StagedState {
   int current_ = 0;
   int64_t pending_first_ = 0;
   int64_t pending_n_ = 0;  // 0: no block pending
-  uint32_t pending_top_ = 0;
+  BlockTop pending_top_{};
 };
 
 #if FUSEDAMP_F16C_LANES
