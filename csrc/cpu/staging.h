@@ -837,7 +837,7 @@ constexpr int64_t kBlockGroup = 16;
 // 8 ns per 16 values at 2.1 GHz, 0.5 ns per element). So the codec's forms ([note: normal
 // decode], EncodeForm) drop every instruction a block does not need: in a direct A/B on such a
 // host the int8 step took about 10% less time (in L2, and from memory at 2 threads), and on the
-// AVX2 build 8-15% less.
+// AVX2 build 8% less (benchmarks/results/README.md, run 13).
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded
