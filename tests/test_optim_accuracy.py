@@ -57,11 +57,14 @@ def test_bitsandbytes_protocol_int8_moments(dtype: torch.dtype, shape: tuple[int
 # counts), uniform [0, 1) grads (bf16 here: torch requires a bf16 param's grad to be bf16), 10
 # steps, a state-dict round trip into a new optimizer, 10 more, compared after every step with
 # torch.optim.Adam in fp32. TE asserts its masters within rtol = atol = 1e-2 for an 8-bit exp_avg
-# only, and skips the assert for an 8-bit exp_avg_sq. Here both moments are int8, and TE's 1e-2
-# is NOT met: 3 mantissa bits leave up to ~3% in each moment, and an update of ~1 carries it, so
-# the masters stray up to 1.98x TE's tolerance (steps 2-4, then under 1.2x). This guards what is
-# reached: twice TE's tolerance, and the bf16 params within bf16's default tolerance of the
-# reference except for under 0.05% of the elements (at most 1,828 of 4.2M, at step 1).
+# only (the next test: met), and skips the assert for an 8-bit exp_avg_sq. Here both moments are
+# int8, and TE's 1e-2 is NOT met: 3 mantissa bits leave up to 6% in a stored exp_avg_sq, a step
+# whose grad is small carries a quarter of it (beta2 = 0.25) into an update of ~1, so the masters
+# stray up to 1.98x TE's tolerance (steps 2-4, then under 1.2x). The 8-bit optimizers users have
+# stray further on the same protocol: bitsandbytes' AdamW8bit 25x, torchao's 3.2x
+# (benchmarks/codec_accuracy.py). This guards what is reached: twice TE's tolerance, and the bf16
+# params within bf16's default tolerance of the reference except for under 0.05% of the elements
+# (at most 1,828 of 4.2M, at step 1).
 TE_SHAPES = [(3072, 1024), (3072,), (1024, 1024), (1024,)]
 TE_OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
 
@@ -96,6 +99,31 @@ def test_transformer_engine_aggressive_settings_int8_moments(master_weights: boo
             rounded = expected.to(torch.bfloat16).float()
             outside += int(((param.detach().float() - rounded).abs() > 1e-5 + 1.6e-2 * rounded.abs()).sum())
         assert outside < 5e-4 * numel, (step, outside)
+
+
+def test_transformer_engine_asserted_case_int8_exp_avg_within_1e_2() -> None:
+    # TE's asserted case: exp_avg 8-bit, exp_avg_sq fp32, fp32 masters. No FusedAdamW mode stores
+    # only exp_avg in 8 bits, so this runs Adam's step in fp32 torch ops with exp_avg kept as the
+    # int8 codes of encode_state (the codec of every coded step) and checks TE's 1e-2 every step.
+    generator = torch.Generator().manual_seed(3)
+    beta1, beta2 = TE_OPTIONS["betas"]
+    masters = [(torch.randn(shape, generator=generator) * 0.02).bfloat16().float() for shape in TE_SHAPES]
+    references = [master.clone().requires_grad_() for master in masters]
+    torch_opt = torch.optim.Adam(references, **TE_OPTIONS)
+    codes = [fusedamp.ops.encode_state(torch.zeros_like(master), True) for master in masters]
+    exp_avg_sqs = [torch.zeros_like(master) for master in masters]
+    for step in range(1, 21):
+        for index, (master, reference) in enumerate(zip(masters, references, strict=True)):
+            grad = torch.rand(master.shape, generator=generator).bfloat16().float()
+            reference.grad = grad
+            exp_avg = fusedamp.ops.decode_state(*codes[index], True).mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg_sqs[index].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (exp_avg_sqs[index] / (1 - beta2**step)).sqrt_().add_(TE_OPTIONS["eps"])
+            master.addcdiv_(exp_avg, denom, value=-TE_OPTIONS["lr"] / (1 - beta1**step))
+            codes[index] = fusedamp.ops.encode_state(exp_avg, True)
+        torch_opt.step()
+        for master, reference in zip(masters, references, strict=True):
+            torch.testing.assert_close(master, reference.detach(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
