@@ -134,8 +134,10 @@ def test_vector_codes_equal_the_element_codes_for_every_bit_pattern(cpu_isa: str
     general vector forms run), with shuffled blocks (specials among ordinary values) too."""
     patterns = _every_bit_pattern(1)
     shuffled = patterns[torch.randperm(patterns.numel(), generator=torch.Generator().manual_seed(2))]
-    for values in (patterns, shuffled, patterns[:1000] * 2.0**-100, shuffled[:999] * 2.0**-120):
-        values = values if signed else values.abs()
+    blocks = (patterns, shuffled, patterns[:1000] * 2.0**-100, shuffled[:999] * 2.0**-120)
+    # An unsigned state also meets values with the sign bit set (a -0, a NaN, a state dict's negative
+    # value): their blocks take the slower forms, with the same codes.
+    for values in blocks if signed else [block.abs() for block in blocks] + list(blocks):
         codes, scales = ops.encode_state(values, signed)
         decoded = ops.decode_state(codes, scales, signed)
         previous = _C.set_cpu_isa("baseline")
@@ -165,3 +167,36 @@ def test_every_code_decodes_as_the_element_function_on_every_build(cpu_isa: str,
     finally:
         _C.set_cpu_isa(previous)
     assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("numel", [256, 300, 4097])
+def test_blocks_with_and_without_special_codes_decode_as_the_element_function(
+    cpu_isa: str, signed: bool, numel: int
+) -> None:
+    """The vector decoders scan a block once for codes of E = 0 (zero, NaN, inf) and skip the
+    per-vector check when it has none (block_decode_of): blocks of ordinary codes only, and with
+    one special code anywhere (a block's first and last element, a partial block's tail), must
+    decode as the element function does."""
+    generator = torch.Generator().manual_seed(numel)
+    magnitudes = torch.randint(8, 128 if signed else 256, (numel,), generator=generator)
+    signs = torch.randint(0, 2, (numel,), generator=generator) * 0x80 if signed else 0
+    ordinary = (magnitudes | signs).to(torch.uint8)
+    blocks = (numel + BLOCK - 1) // BLOCK
+    scales = torch.tensor([1.0, 2.0**-60]).repeat(blocks)[:blocks]
+    specials = [0, 1, 2, 0x80, 0x81, 0x82] if signed else [0, 1, 2, 7]
+    cases = [ordinary]
+    for position in sorted({0, 63, 64, 255, numel - 1, numel - 2}):
+        for special in specials:
+            codes = ordinary.clone()
+            codes[position] = special
+            cases.append(codes)
+    decoded = [ops.decode_state(codes, scales, signed) for codes in cases]
+    previous = _C.set_cpu_isa("baseline")
+    try:
+        expected = [ops.decode_state(codes, scales, signed) for codes in cases]
+    finally:
+        _C.set_cpu_isa(previous)
+    for got, want in zip(decoded, expected, strict=True):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.isfinite(decoded[0]).all() and (decoded[0] != 0).all()

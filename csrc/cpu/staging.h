@@ -442,13 +442,33 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_maskz_max_epi32(__mmask16(0xffff), a, b);  // the maskz forms: see fp16_tile_to_float
 }
-[[gnu::always_inline]] inline uint32_t max_of_lanes(CodeLanes a) {
-  const __m256i half = _mm256_max_epi32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
+// The lanes as unsigned 32-bit integers: their maximum, and the largest lane.
+[[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_maskz_max_epu32(__mmask16(0xffff), a, b);
+}
+[[gnu::always_inline]] inline uint32_t max_unsigned_of_lanes(CodeLanes a) {
+  const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
                                         _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
-  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(m));
+}
+// a | b in the lanes of `pick`, a elsewhere.
+[[gnu::always_inline]] inline CodeLanes or_where(LaneMask pick, CodeLanes a, CodeLanes b) {
+  return _mm512_mask_or_epi32(a, pick, a, b);
+}
+// Whether any of n codes has none of `bits` set.
+[[gnu::always_inline]] inline bool any_code_without(const uint8_t* codes, int64_t n, uint8_t bits) {
+  const __m512i wanted = _mm512_set1_epi8(char(bits));
+  __mmask64 found = 0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) found |= _mm512_testn_epi8_mask(_mm512_loadu_si512(codes + i), wanted);
+  if (i < n) {
+    const __mmask64 tail = _bzhi_u64(~0ull, unsigned(n - i));
+    found |= _mm512_mask_testn_epi8_mask(tail, _mm512_maskz_loadu_epi8(tail, codes + i), wanted);
+  }
+  return found != 0;
 }
 [[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
   return _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(b)));
@@ -524,11 +544,27 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes and_lanes(CodeLanes a, CodeLanes b) { return _mm256_and_si256(a, b); }
 [[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) { return _mm256_min_epi32(a, b); }
 [[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epi32(a, b); }
-[[gnu::always_inline]] inline uint32_t max_of_lanes(CodeLanes a) {
-  __m128i m = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-  m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+[[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epu32(a, b); }
+[[gnu::always_inline]] inline uint32_t max_unsigned_of_lanes(CodeLanes a) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(m));
+}
+[[gnu::always_inline]] inline CodeLanes or_where(LaneMask pick, CodeLanes a, CodeLanes b) {
+  return _mm256_or_si256(a, _mm256_and_si256(b, pick));
+}
+[[gnu::always_inline]] inline bool any_code_without(const uint8_t* codes, int64_t n, uint8_t bits) {
+  const __m256i wanted = _mm256_set1_epi8(char(bits));
+  __m256i found = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i loaded = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+    found = _mm256_or_si256(found, _mm256_cmpeq_epi8(_mm256_and_si256(loaded, wanted), _mm256_setzero_si256()));
+  }
+  bool any = !_mm256_testz_si256(found, found);
+  for (; i < n; ++i) any |= (codes[i] & bits) == 0;
+  return any;
 }
 [[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
   return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(b)));
@@ -563,10 +599,11 @@ using LaneMask = __m256i;
 #endif
 
 // What encoding a block of codes needs to know of its values: the top exponent (codec.h's
-// block_top_exponent of its largest finite magnitude) and whether all of them are finite.
+// block_top_exponent of its largest finite magnitude) and whether every value is plain: finite,
+// and in an unsigned state also without its sign bit (MagnitudeMax).
 struct BlockTop {
   uint32_t exponent;
-  bool all_finite;
+  bool plain;
 };
 
 #if FUSEDAMP_F16C_LANES
@@ -578,8 +615,9 @@ enum class EncodeForm {
   // The offset is folded into the rounding constant: (m + 0x80000 - (offset << 20)) >> 20
   // (arithmetic) is (m + 0x80000) >> 20 - offset exactly, and cannot overflow.
   kNormal,
-  // kNormal with every value finite and top < 254 (so not clamped by block_top_exponent): no lane
-  // needs the non-finite codes, and no code exceeds the top binade, so none is clamped.
+  // kNormal with every value plain (BlockTop) and top < 254 (so not clamped by block_top_exponent):
+  // no lane needs the non-finite codes, no code exceeds the top binade, so none is clamped, and
+  // an unsigned state's bits are its magnitudes.
   kFiniteNormal,
 };
 
@@ -600,14 +638,19 @@ template <bool kSigned, EncodeForm kForm>
   using Code = BlockCode<kSigned>;
   const uint32_t offset = uint32_t(int32_t(top) - Code::kTopExponent) * 8u;
   const CodeLanes bits = load_bit_lanes(values);
-  const CodeLanes magnitude = and_lanes(bits, lanes_of(0x7fffffffu));
+  const CodeLanes magnitude =
+      !kSigned && kForm == EncodeForm::kFiniteNormal ? bits : and_lanes(bits, lanes_of(0x7fffffffu));
   CodeLanes result;
   LaneMask kept = all_lanes();
   if constexpr (kForm != EncodeForm::kGeneral) {
     const CodeLanes rounded = add_lanes(magnitude, lanes_of(0x80000u - (offset << 20)));
     CodeLanes code = shift_right_signed(rounded, 20);
     if constexpr (kForm == EncodeForm::kNormal) code = min_lanes(code, lanes_of(Code::kMagnitudeMask));
-    if constexpr (kSigned) {
+    if constexpr (kSigned && kForm == EncodeForm::kFiniteNormal) {
+      // The sign goes on every lane, the code only on those it keeps: one masked or.
+      const CodeLanes sign = and_lanes(shift_right(bits, 24), lanes_of(0x80u));
+      return {or_where(lanes_at_least(code, 8), sign, code), all_lanes()};
+    } else if constexpr (kSigned) {
       result = keep_lanes(lanes_at_least(code, 8), code);
     } else {
       // A zero stays 0 (outside `kept`); any other value keeps at least the smallest code.
@@ -663,22 +706,23 @@ template <bool kSigned>
 }
 
 // decode_code on the next kCodeLanes codes of a block decoded by an exponent add ([note: normal
-// decode]): E and M shifted into place under the sign, plus the offset.
-template <bool kSigned>
+// decode]): E and M shifted into place under the sign, plus the offset. kSpecialCodes: some code
+// of the block may have E = 0, so the lanes are checked for them.
+template <bool kSigned, bool kSpecialCodes>
 [[gnu::always_inline]] inline CodeLanes decode_normal_code_lanes(const uint8_t* codes, uint32_t exponent_offset) {
   CodeLanes code, result;
-  LaneMask special;
   if constexpr (kSigned) {
     // Sign-extended, (code << 20) holds the sign in bits 31..27 and E, M in bits 26..20.
     code = load_signed_code_lanes(codes);
     result = add_lanes(and_lanes(shift_left(code, 20), lanes_of(0x87ffffffu)), lanes_of(exponent_offset));
-    special = lanes_without(code, 0x78u);
   } else {
     code = load_code_lanes(codes);
     result = add_lanes(shift_left(code, 20), lanes_of(exponent_offset));
-    special = lanes_below(code, 8);
   }
-  if (any_lane(special)) result = select_lanes(special, special_code_values<kSigned>(code), result);
+  if constexpr (kSpecialCodes) {
+    const LaneMask special = kSigned ? lanes_without(code, 0x78u) : lanes_below(code, 8);
+    if (any_lane(special)) result = select_lanes(special, special_code_values<kSigned>(code), result);
+  }
   return result;
 }
 #endif
@@ -702,10 +746,36 @@ template <bool kSigned>
              : kGeneralDecode;
 }
 
+// How the vector decoders take a block's codes.
+struct BlockDecode {
+  uint32_t exponent_offset;  // normal_decode_offset of the block's scale, or kGeneralDecode
+  bool special_codes;        // some code may have E = 0 (zero, NaN, inf): each vector is checked
+};
+
+// The BlockDecode of a block's n codes of this scale. A block that decodes by the add is scanned
+// once for codes of E = 0, so that its vectors need no check when it has none (a moment's blocks
+// seldom have any: 2 instructions fewer per vector and state).
+template <bool kSigned>
+[[gnu::always_inline]] inline BlockDecode block_decode_of(const uint8_t* codes, float scale, int64_t n) {
+  const uint32_t offset = normal_decode_offset<kSigned>(scale);
+  bool special_codes = true;
+#if FUSEDAMP_F16C_LANES
+  if (offset != kGeneralDecode) {
+    special_codes = any_code_without(codes, n, uint8_t(BlockCode<kSigned>::kMagnitudeMask & ~7u));
+  }
+#endif
+  return {offset, special_codes};
+}
+
 // The running maximum of the magnitude bits (non-finite ones included) of a block's values, folded
-// in a group of values at a time.
+// in a group of values at a time. An unsigned state's maximum is taken over the raw bits: its
+// values are not negative, and one with its sign bit set (a -0 or a NaN) reads as non-finite
+// (BlockTop), so block_top_of looks again; that saves the mask in the busiest loop.
 // (Its members are set by reset(): an implicit constructor would miss the build's target pragma.)
+template <bool kSigned>
 struct MagnitudeMax {
+  static constexpr uint32_t kMask = kSigned ? 0x7fffffffu : 0xffffffffu;
+
 #if FUSEDAMP_F16C_LANES
   CodeLanes lanes;
 #endif
@@ -724,30 +794,31 @@ struct MagnitudeMax {
     int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
     for (; i + kCodeLanes <= n; i += kCodeLanes) {
-      lanes = max_lanes(lanes, and_lanes(load_bit_lanes(values + i), lanes_of(0x7fffffffu)));
+      const CodeLanes bits = load_bit_lanes(values + i);
+      lanes = max_unsigned_lanes(lanes, kSigned ? and_lanes(bits, lanes_of(kMask)) : bits);
     }
 #endif
-    for (; i < n; ++i) rest = std::max(rest, float_bits(values[i]) & 0x7fffffffu);
+    for (; i < n; ++i) rest = std::max(rest, float_bits(values[i]) & kMask);
   }
 
   [[gnu::always_inline]] uint32_t bits() const {
 #if FUSEDAMP_F16C_LANES
-    return std::max(max_of_lanes(lanes), rest);
+    return std::max(max_unsigned_of_lanes(lanes), rest);
 #else
     return rest;
 #endif
   }
 };
 
-// The top of a block (n <= kCodecBlock values) whose largest magnitude bits are max_bits: that of
-// its largest finite magnitude (only a block that holds a NaN or inf looks again for it).
+// The top of a block (n <= kCodecBlock values) whose MagnitudeMax is max_bits: that of its largest
+// finite magnitude (only a block that holds a value that is not plain looks again for it).
 [[gnu::always_inline]] inline BlockTop block_top_of(const float* values, int64_t n, uint32_t max_bits) {
-  const bool all_finite = max_bits < 0x7f800000u;
-  if (!all_finite) {
+  const bool plain = max_bits < 0x7f800000u;
+  if (!plain) {
     max_bits = 0;
     for (int64_t i = 0; i < n; ++i) max_bits = std::max(max_bits, finite_magnitude_bits(values[i]));
   }
-  return {block_top_exponent(max_bits), all_finite};
+  return {block_top_exponent(max_bits), plain};
 }
 
 #if FUSEDAMP_F16C_LANES
@@ -776,7 +847,7 @@ template <bool kSigned>
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   if (top.exponent > uint32_t(BlockCode<kSigned>::kTopExponent)) {
-    if (top.all_finite && top.exponent < 254u) {
+    if (top.plain && top.exponent < 254u) {
       i = encode_code_vectors<kSigned, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes);
     } else {
       i = encode_code_vectors<kSigned, EncodeForm::kNormal>(values, n, top.exponent, codes);
@@ -791,22 +862,26 @@ template <bool kSigned>
 // A whole block (n <= kCodecBlock values) to codes and its scale.
 template <bool kSigned>
 [[gnu::always_inline]] inline void encode_state_tile(const float* values, int64_t n, uint8_t* codes, float* scale) {
-  MagnitudeMax largest;
+  MagnitudeMax<kSigned> largest;
   largest.fold(values, n);
   const BlockTop top = block_top_of(values, n, largest.bits());
   encode_codes<kSigned>(values, n, top, codes);
   *scale = block_scale(top.exponent);
 }
 
-// n codes of a block of this scale and normal_decode_offset as fp32 values.
+// n codes of a block of this scale and BlockDecode as fp32 values.
 template <bool kSigned>
-[[gnu::always_inline]] inline void decode_state_tile(const uint8_t* codes, float scale, uint32_t exponent_offset,
+[[gnu::always_inline]] inline void decode_state_tile(const uint8_t* codes, float scale, BlockDecode decode,
                                                      int64_t n, float* values) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
-  if (exponent_offset != kGeneralDecode) {
+  if (decode.exponent_offset != kGeneralDecode && decode.special_codes) {
     for (; i + kCodeLanes <= n; i += kCodeLanes) {
-      store_bit_lanes(values + i, decode_normal_code_lanes<kSigned>(codes + i, exponent_offset));
+      store_bit_lanes(values + i, decode_normal_code_lanes<kSigned, true>(codes + i, decode.exponent_offset));
+    }
+  } else if (decode.exponent_offset != kGeneralDecode) {
+    for (; i + kCodeLanes <= n; i += kCodeLanes) {
+      store_bit_lanes(values + i, decode_normal_code_lanes<kSigned, false>(codes + i, decode.exponent_offset));
     }
   } else {
     for (; i + kCodeLanes <= n; i += kCodeLanes) {
@@ -850,19 +925,18 @@ struct StateBlock {
   void* state;                    // the state at the block's first element
   float* values;                  // the block's fp32 values: the state itself, or a tile
   float scale;                    // int8: the block's scale
-  uint32_t decode_offset;         // int8: normal_decode_offset of the scale
+  BlockDecode decode;             // int8: how its codes decode
   const float* pending_values;    // int8: the block before, to encode; null if none
   uint8_t* pending_codes;
   BlockTop pending_top;
-  MagnitudeMax largest;
+  MagnitudeMax<kSigned> largest;
 
   // The values of the group of n at `offset` in the block.
   [[gnu::always_inline]] float* stage(int64_t offset, int64_t n) {
     if constexpr (C == StateCodec::kBFloat16) {
       bf16_tile_to_float(static_cast<const uint16_t*>(state) + offset, values + offset, n);
     } else if constexpr (C == StateCodec::kInt8) {
-      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, scale, decode_offset, n,
-                                 values + offset);
+      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, scale, decode, n, values + offset);
     }
     return values + offset;
   }
@@ -893,8 +967,8 @@ class StagedState {
  public:
   StagedState(void* state, float* scales) : state_(state), scales_(scales) {}
 
-  // The block of elements from block_first.
-  [[gnu::always_inline]] StateBlock<C, kSigned> begin_block(int64_t block_first) {
+  // The block of n elements from block_first.
+  [[gnu::always_inline]] StateBlock<C, kSigned> begin_block(int64_t block_first, int64_t n) {
     StateBlock<C, kSigned> block{};
     if constexpr (C == StateCodec::kFloat32) {
       block.state = static_cast<float*>(state_) + block_first;
@@ -906,7 +980,7 @@ class StagedState {
       block.state = static_cast<uint8_t*>(state_) + block_first;
       block.values = tiles_[current_];
       block.scale = scales_[block_first / kCodecBlock];
-      block.decode_offset = normal_decode_offset<kSigned>(block.scale);
+      block.decode = block_decode_of<kSigned>(static_cast<const uint8_t*>(block.state), block.scale, n);
       if (pending_n_ != 0) {
         block.pending_values = tiles_[current_ ^ 1];
         block.pending_codes = static_cast<uint8_t*>(state_) + pending_first_;

@@ -79,10 +79,10 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
       prefetch_ahead<P, G, M, C>(block, end, param, master, grad, lists[kAdamWExpAvg][tensor],
                                  lists[kAdamWExpAvgSq][tensor]);
     }
-    auto m = exp_avg.begin_block(block);
-    auto v = exp_avg_sq.begin_block(block);
+    auto m = exp_avg.begin_block(block, n);
+    auto v = exp_avg_sq.begin_block(block, n);
     // An absent state's block stays empty: its pointers are not the state's (nor its scales).
-    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block) : StateBlock<C, false>{};
+    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block, n) : StateBlock<C, false>{};
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
       const int64_t offset = first - block;
       const AdamWTensorPointers tile{stage_value_block<P, M>(param, master, first, group, value_tile),

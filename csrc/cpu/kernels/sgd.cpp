@@ -70,7 +70,7 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
       prefetch_ahead<P, G, M, C>(block, end, param, master, grad);
     }
     // Without momentum the block stays empty: there is no buffer (nor scales) to read.
-    auto b = kHasMomentum ? momentum.begin_block(block) : StateBlock<C, true>{};
+    auto b = kHasMomentum ? momentum.begin_block(block, n) : StateBlock<C, true>{};
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
       const int64_t offset = first - block;
       const SgdTensorPointers tile{stage_value_block<P, M>(param, master, first, group, value_tile),
