@@ -769,8 +769,8 @@ template <bool kSigned>
 
 // The running maximum of the magnitude bits (non-finite ones included) of a block's values, folded
 // in a group of values at a time. An unsigned state's maximum is taken over the raw bits: its
-// values are not negative, and one with its sign bit set (a -0 or a NaN) reads as non-finite
-// (BlockTop), so block_top_of looks again; that saves the mask in the busiest loop.
+// values are not negative, and one with its sign bit set (a -0 or a NaN) makes the block not
+// plain (BlockTop), so block_top_of looks again; that saves the mask in the busiest loop.
 // (Its members are set by reset(): an implicit constructor would miss the build's target pragma.)
 template <bool kSigned>
 struct MagnitudeMax {
