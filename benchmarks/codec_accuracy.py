@@ -22,6 +22,7 @@ import json
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,18 +34,15 @@ OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
 STEPS, RESUME_AT, TOLERANCE = 20, 10, 1e-2
 
 
+@dataclass(frozen=True)
 class Contestant:
-    """An optimizer under test: its params, how to build it over them, and the fp32 values compared
-    with the reference (the params, or fusedamp's masters)."""
+    """An optimizer under test: its params' dtype, how to build it over them, and the fp32 values
+    compared with the reference (the params, or fusedamp's masters)."""
 
-    def __init__(
-        self,
-        name: str,
-        dtype: torch.dtype,
-        build: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-        compared: Callable[[torch.optim.Optimizer, torch.Tensor], torch.Tensor],
-    ) -> None:
-        self.name, self.dtype, self.build, self.compared = name, dtype, build, compared
+    name: str
+    dtype: torch.dtype
+    build: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    compared: Callable[[torch.optim.Optimizer, torch.Tensor], torch.Tensor]
 
 
 def contestants() -> list[Contestant]:
