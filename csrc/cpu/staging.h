@@ -895,10 +895,10 @@ template <bool kSigned>
 // Values a coded step stages at a time inside a codec block: its conversions, math and stores
 // stay in registers, and the math's divides and square roots overlap the codec work around them
 // ([note: group staging]).
-// Two vectors a state on AVX-512: one loop body then holds two independent divide chains (about
-// 8% less time than one vector in L1 at 1 thread, benchmarks/results/README.md). AVX2 keeps
-// 16 (two vectors of 8): the wider body was not measured with its 16 vector registers.
-constexpr int64_t kBlockGroup = FUSEDAMP_F16C_LANES == 16 ? 32 : 16;
+// 32 values: two vectors a state on AVX-512 (four on AVX2), so one loop body holds independent
+// divide chains; about 8% less time than 16 values on both builds in L1 at 1 thread
+// (benchmarks/results/README.md).
+constexpr int64_t kBlockGroup = 32;
 
 // [note: group staging] A coded step first ran each stage over a whole block: decode the
 // moments, run the math, encode. The math's vdivps and vsqrtps (about 22 cycles per 16 values
