@@ -894,9 +894,8 @@ template <bool kSigned>
 
 // Values a coded step stages at a time inside a codec block: its conversions, math and stores
 // stay in registers, and the math's divides and square roots overlap the codec work around them
-// ([note: group staging]).
-// 32 values: two vectors a state on AVX-512 (four on AVX2), so one loop body holds independent
-// divide chains; about 8% less time than 16 values on both builds in L1 at 1 thread
+// ([note: group staging]). Two vectors a state on AVX-512, four on AVX2: one loop body then holds
+// independent divide chains, about 8% less time than 16 values on both builds in L1 at 1 thread
 // (benchmarks/results/README.md).
 constexpr int64_t kBlockGroup = 32;
 
