@@ -1158,21 +1158,12 @@ template <DType G>
 // build, 18.0 and 15.6-15.9 ms on the AVX-512 one.
 constexpr int64_t kPrefetchBlocks = 2;
 
-// A whole block's lines are a fixed count (4 to 16), asked for without a loop: the loop's add,
-// compare and branch per line were 18% of the fp32 AdamW step's instructions on the AVX2 build
-// and 4% of the int8 one's (callgrind; benchmarks/results/README.md).
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_block(const void* base, int64_t first, int64_t end) {
-  const char* bytes = static_cast<const char*>(base) + first * int64_t(sizeof(T));
-  if (first + kCodecBlock <= end) {
-#pragma GCC unroll 16
-    for (int64_t offset = 0; offset < kCodecBlock * int64_t(sizeof(T)); offset += 64) {
-      __builtin_prefetch(bytes + offset, 1);
-    }
-  } else {
-    for (int64_t offset = 0; offset < (end - first) * int64_t(sizeof(T)); offset += 64) {
-      __builtin_prefetch(bytes + offset, 1);
-    }
+  const char* bytes = static_cast<const char*>(base);
+  const int64_t stop = std::min(end, first + kCodecBlock) * int64_t(sizeof(T));
+  for (int64_t offset = first * int64_t(sizeof(T)); offset < stop; offset += 64) {
+    __builtin_prefetch(bytes + offset, 1);
   }
 }
 
