@@ -2,10 +2,15 @@
 
     pip install --no-build-isolation .      # torch must be installed first
 
-Environment: FUSEDAMP_CUDA=0|1 forces the CUDA kernels off/on; TORCH_CUDA_ARCH_LIST picks the
-GPU architectures (default: the visible GPUs', else 8.0;9.0a; 9.0a is added wherever 9.0 is
-targeted, see fusedamp/_cuda_archs.py); FUSEDAMP_PTXAS_VERBOSE=1 prints ptxas register/spill
-reports; MAX_JOBS bounds the parallel compile jobs.
+Environment:
+- FUSEDAMP_CUDA=0|1 forces the CUDA kernels off/on; by default they are built when nvcc and a
+  CUDA build of torch are present and a GPU is visible or TORCH_CUDA_ARCH_LIST is set.
+- TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: the visible GPUs', else 8.0;9.0a;
+  9.0a is added wherever 9.0 is targeted, see fusedamp/_cuda_archs.py).
+- FUSEDAMP_CPU_ISAS=native|all: the CPU kernel builds, the host's best ISA plus the baseline
+  (native, the default) or avx512, avx2 and baseline (all: portable builds, wheels, CI).
+- FUSEDAMP_PTXAS_VERBOSE=1 prints ptxas register/spill reports; MAX_JOBS bounds the parallel
+  compile jobs.
 """
 
 import glob
@@ -61,12 +66,13 @@ def find_cuda_home() -> str | None:
     return nvcc_toolkit_root(nvcc) if nvcc else None
 
 
-def want_cuda(cuda_home: str | None) -> bool:
+def want_cuda(cuda_home: str | None) -> tuple[bool, str]:
+    """Whether to build the CUDA kernels, and why (for the build's one-line summary)."""
     forced = os.environ.get("FUSEDAMP_CUDA")
     if forced not in (None, "", "0", "1"):
         sys.exit(f"fusedamp: FUSEDAMP_CUDA must be 0 or 1, got {forced!r}")
     if forced == "0":
-        return False
+        return False, "off (FUSEDAMP_CUDA=0)"
     available = cuda_home is not None and torch.version.cuda is not None
     if forced == "1" and not available:
         sys.exit(
@@ -74,7 +80,31 @@ def want_cuda(cuda_home: str | None) -> bool:
             + ("nvcc was not found (set CUDA_HOME or put nvcc on PATH)" if cuda_home is None
                else f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch")
         )
-    return available
+    if not available:
+        return False, "off (no nvcc or a CPU-only torch)"
+    if forced == "1":
+        return True, "on (FUSEDAMP_CUDA=1)"
+    # Compiling them takes most of a build: a machine without a GPU skips them unless asked.
+    if torch.cuda.device_count() > 0:
+        return True, "on (a GPU is visible)"
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return True, "on (TORCH_CUDA_ARCH_LIST is set)"
+    return False, "off (no GPU visible; FUSEDAMP_CUDA=1 builds them anyway)"
+
+
+def cpu_isas() -> tuple[tuple[str, ...], str]:
+    """The CPU kernel builds (csrc/cpu/isa/) to compile, and why."""
+    chosen = os.environ.get("FUSEDAMP_CPU_ISAS", "native") or "native"
+    if chosen == "all":
+        return ("avx512", "avx2", "baseline"), "FUSEDAMP_CPU_ISAS=all"
+    if chosen != "native":
+        sys.exit(f"fusedamp: FUSEDAMP_CPU_ISAS must be native or all, got {chosen!r}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ("baseline",), "this CPU is not x86-64"
+    # torch's own dispatch level: AVX512 means avx512f/bw/vl/dq, AVX2 means avx2 + fma.
+    best = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+    isas = (best, "baseline") if best else ("baseline",)
+    return isas, "this CPU's best; FUSEDAMP_CPU_ISAS=all builds avx512, avx2 and baseline"
 
 
 def check_nvcc_matches_torch(cuda_home: str) -> None:
@@ -95,7 +125,10 @@ def check_nvcc_matches_torch(cuda_home: str) -> None:
 
 
 cuda_home = find_cuda_home()
-with_cuda = want_cuda(cuda_home)
+with_cuda, cuda_reason = want_cuda(cuda_home)
+CPU_ISAS, isa_reason = cpu_isas()
+print(f"fusedamp: CPU kernels for {' + '.join(CPU_ISAS)} ({isa_reason}); CUDA kernels {cuda_reason}",
+      flush=True)
 if with_cuda:
     # cpp_extension reads CUDA_HOME when it is imported: resolve the wrapper before that.
     os.environ["CUDA_HOME"] = cuda_home
@@ -116,6 +149,7 @@ with open(os.path.join(ROOT, "fusedamp", "_build_meta.py"), "w") as meta:
         f"TORCH_VERSION = {torch.__version__!r}\n"
         f"CUDA_COMPILED = {with_cuda!r}\n"
         f"CUDA_ARCHS = {cuda_archs!r}\n"
+        f"CPU_ISAS = {CPU_ISAS!r}\n"
     )
 
 
@@ -160,7 +194,8 @@ if compiler_is_gcc_for_x86():
     cxx_flags.append("-mtune-ctrl=^inter_unit_moves_to_vec")
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 link_flags = ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
-CPU_ISAS = ("avx512", "avx2", "baseline")
+# Which ISA builds exist, for csrc/cpu/isa.cpp's choice at run time.
+isa_macros = [(f"FUSEDAMP_BUILT_{isa.upper()}", "1" if isa in CPU_ISAS else "0") for isa in ("avx512", "avx2")]
 
 
 def cpu_kernel_sources() -> list[str]:
@@ -196,14 +231,14 @@ if with_cuda:
         "fusedamp._C",
         ext_sources + sources("csrc/cuda/**/*.cu") + sources("csrc/cuda/**/*.cpp"),
         include_dirs=include_dirs,
-        define_macros=[("FUSEDAMP_WITH_CUDA", "1")],
+        define_macros=[("FUSEDAMP_WITH_CUDA", "1"), *isa_macros],
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
         extra_link_args=link_flags,
     )
 else:
     extension = CppExtension(
-        "fusedamp._C", ext_sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=link_flags,
+        "fusedamp._C", ext_sources, include_dirs=include_dirs, define_macros=isa_macros,
+        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
     )
 
 setup(

@@ -52,6 +52,8 @@ def build_info() -> dict[str, Any]:
         # The CUDA GEMM kernels with code in this build (the ATen reference path is always there).
         "gemm_kernels": _cuda_archs.gemm_kernels(_build_meta.CUDA_ARCHS) if cuda_compiled else [],
         "cpu_isa": _C.cpu_isa(),
+        # The CPU kernel builds compiled in (setup.py's FUSEDAMP_CPU_ISAS).
+        "cpu_isas_built": list(_build_meta.CPU_ISAS),
         # Threads the CPU ops really use: torch.get_num_threads() unless OpenMP was lost.
         "cpu_threads": _C.parallel_for_threads(),
         # The L3 the CPU optimizers compare a call's bytes with (csrc/cpu/staging.h, streaming

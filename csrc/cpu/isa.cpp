@@ -12,6 +12,17 @@ namespace fusedamp {
 namespace cpu {
 namespace {
 
+#if !defined(FUSEDAMP_BUILT_AVX512) || !defined(FUSEDAMP_BUILT_AVX2)
+#error "setup.py defines FUSEDAMP_BUILT_AVX512 and FUSEDAMP_BUILT_AVX2 (which ISA builds exist)"
+#endif
+
+// Whether this build of _C has the ISA's kernels (setup.py, FUSEDAMP_CPU_ISAS).
+bool built(CpuIsa isa) {
+  if (isa == CpuIsa::kAvx512) return FUSEDAMP_BUILT_AVX512;
+  if (isa == CpuIsa::kAvx2) return FUSEDAMP_BUILT_AVX2;
+  return true;
+}
+
 bool cpu_has(CpuIsa isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -31,6 +42,8 @@ CpuIsa checked_isa(const std::string& name) {
   for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kBaseline}) {
     if (name != isa_name(isa)) continue;
     TORCH_CHECK_VALUE(cpu_has(isa), "fusedamp: this CPU does not support the '", name, "' kernels");
+    TORCH_CHECK_VALUE(built(isa), "fusedamp: this build has no '", name, "' kernels; rebuild with ",
+                      "FUSEDAMP_CPU_ISAS=all to have every ISA's");
     return isa;
   }
   TORCH_CHECK_VALUE(false, "fusedamp: unknown CPU ISA '", name, "'; choose avx512, avx2 or baseline");
@@ -41,7 +54,7 @@ CpuIsa detect_isa() {
     if (*forced) return checked_isa(forced);
   }
   for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
-    if (cpu_has(isa)) return isa;
+    if (cpu_has(isa) && built(isa)) return isa;
   }
   return CpuIsa::kBaseline;
 }
