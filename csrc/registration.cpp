@@ -29,12 +29,14 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor? found_inf, Tensor? clip_coef, bool write_unscaled_grads, "
       "Tensor(h!)[]? exp_avg_scales=None, Tensor(i!)[]? exp_avg_sq_scales=None, "
       "Tensor(j!)[]? max_exp_avg_sq_scales=None, int[]? rounding_ids=None, "
-      "int rounding_seed=0) -> ()");
+      "int rounding_seed=0, bool stochastic_params=False) -> ()");
   // [note: state codecs] Moments (and SGD's momentum buffers) are float32, bfloat16 or uint8
   // block codes (math/codec.h), one dtype for every state list of a call; uint8 states come with
-  // their fp32 scale lists (one per 256 elements of storage order). rounding_ids (one per param,
-  // fp16/bf16 params without masters): the param takes the update stochastically rounded, with
-  // bits from a hash of (rounding_seed, step count after the step, rounding_ids[i], element).
+  // their fp32 scale lists (one per 256 elements of storage order); bf16 and uint8 states are
+  // rounded stochastically ([note: unbiased state rounding]). Random bits come from a hash of
+  // (rounding_seed, step count after the step, rounding_ids[i] (default: i), element, stream).
+  // stochastic_params (fp16/bf16 params without masters): the params take the update
+  // stochastically rounded too.
   // One fused SGD step (math/sgd.h); momentum_buffers empty when momentum == 0; a param whose
   // step count is 0 takes its first step (buffer = grad).
   m.def(
@@ -43,7 +45,7 @@ TORCH_LIBRARY(fusedamp, m) {
       "float dampening, float weight_decay, bool nesterov, bool maximize, "
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
       "bool write_unscaled_grads, Tensor(f!)[]? momentum_buffer_scales=None, "
-      "int[]? rounding_ids=None, int rounding_seed=0) -> ()");
+      "int[]? rounding_ids=None, int rounding_seed=0, bool stochastic_params=False) -> ()");
   // The bf16 remainder encoding of fp32 masters (math/master.h, [note: remainder encoding]):
   // split turns fp32 masters into (bf16 param, int16 remainder), join rebuilds the masters.
   // Dense tensors in any memory format; the outputs take the input's. CPU only: the optimizers

@@ -137,19 +137,21 @@ def adamw_(
     max_exp_avg_sq_scales: list[Tensor] | None = None,
     rounding_ids: list[int] | None = None,
     rounding_seed: int = 0,
+    stochastic_params: bool = False,
 ) -> None:
     """One fused AdamW step over same-dtype, same-device lists (see csrc/registration.cpp).
 
     Moments may be float32, bfloat16 or uint8 block codes with their ``*_scales`` lists
-    ([note: state codecs]); ``rounding_ids`` (one per param) rounds half params without masters
-    stochastically, with bits from a hash of (``rounding_seed``, step, id, element).
+    ([note: state codecs]), stored rounded stochastically with bits from a hash of
+    (``rounding_seed``, step, ``rounding_ids[i]`` (default: i), element); ``stochastic_params``
+    rounds half params without masters stochastically too.
     """
     lr_value, lr_tensor = _split_lr(lr)
     torch.ops.fusedamp.adamw_(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr_value,
         lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, inv_grad_scale, found_inf,
         clip_coef, write_unscaled_grads, exp_avg_scales, exp_avg_sq_scales, max_exp_avg_sq_scales,
-        rounding_ids, rounding_seed,
+        rounding_ids, rounding_seed, stochastic_params,
     )
 
 
@@ -173,6 +175,7 @@ def sgd_(
     momentum_buffer_scales: list[Tensor] | None = None,
     rounding_ids: list[int] | None = None,
     rounding_seed: int = 0,
+    stochastic_params: bool = False,
 ) -> None:
     """One fused SGD step over same-dtype, same-device lists (see csrc/registration.cpp); the
     momentum buffers and ``rounding_ids`` as in :func:`adamw_`."""
@@ -180,7 +183,7 @@ def sgd_(
     torch.ops.fusedamp.sgd_(
         params, grads, momentum_buffers, masters, steps, lr_value, lr_tensor, momentum,
         dampening, weight_decay, nesterov, maximize, inv_grad_scale, found_inf, clip_coef,
-        write_unscaled_grads, momentum_buffer_scales, rounding_ids, rounding_seed,
+        write_unscaled_grads, momentum_buffer_scales, rounding_ids, rounding_seed, stochastic_params,
     )
 
 

@@ -58,13 +58,15 @@ def test_bitsandbytes_protocol_int8_moments(dtype: torch.dtype, shape: tuple[int
 # steps, a state-dict round trip into a new optimizer, 10 more, compared after every step with
 # torch.optim.Adam in fp32. TE asserts its masters within rtol = atol = 1e-2 for an 8-bit exp_avg
 # only (the next test: met), and skips the assert for an 8-bit exp_avg_sq. Here both moments are
-# int8, and TE's 1e-2 is NOT met: 3 mantissa bits leave up to 6% in a stored exp_avg_sq, a step
-# whose grad is small carries a quarter of it (beta2 = 0.25) into an update of ~1, so the masters
-# stray up to 1.98x TE's tolerance (steps 2-4, then under 1.2x). The 8-bit optimizers users have
-# stray further on the same protocol: bitsandbytes' AdamW8bit 25x, torchao's 3.2x
-# (benchmarks/codec_accuracy.py). This guards what is reached: twice TE's tolerance, and the bf16
-# params within bf16's default tolerance of the reference except for under 0.05% of the elements
-# (at most 1,828 of 4.2M, at step 1).
+# int8, stored rounded stochastically ([note: unbiased state rounding]), and TE's 1e-2 is NOT
+# met: a stored moment may be off by up to a whole code step (12.5% with 3 mantissa bits; round to
+# nearest: half that, but it lets long runs drift, tests/test_long_run_accuracy.py), a step whose
+# grad is small carries a quarter of exp_avg_sq's error (beta2 = 0.25) into an update of ~1, so
+# the masters stray up to 2.9x TE's tolerance (steps 2-6, then under 2x). The 8-bit optimizers
+# users have stray further on the same protocol: bitsandbytes' AdamW8bit 25x, torchao's 3.2x
+# (benchmarks/codec_accuracy.py). This guards what is reached: three times TE's tolerance, and
+# the bf16 params within bf16's default tolerance of the reference except for under 1% of the
+# elements (at most 25,841 of 4.2M, at step 2).
 TE_SHAPES = [(3072, 1024), (3072,), (1024, 1024), (1024,)]
 TE_OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
 
@@ -95,10 +97,10 @@ def test_transformer_engine_aggressive_settings_int8_moments(master_weights: boo
         outside = 0
         for param, reference in zip(params, references, strict=True):
             expected = reference.detach()
-            torch.testing.assert_close(opt.master_of(param), expected, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(opt.master_of(param), expected, rtol=3e-2, atol=3e-2)
             rounded = expected.to(torch.bfloat16).float()
             outside += int(((param.detach().float() - rounded).abs() > 1e-5 + 1.6e-2 * rounded.abs()).sum())
-        assert outside < 5e-4 * numel, (step, outside)
+        assert outside < 1e-2 * numel, (step, outside)
 
 
 def test_transformer_engine_asserted_case_int8_exp_avg_within_1e_2() -> None:

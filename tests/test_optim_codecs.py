@@ -280,7 +280,7 @@ def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
         )
     with pytest.raises(RuntimeError, match="exp_avg_scales has 0 tensors"):
         ops.adamw_([param], [grad], [codes[0]], [codes[1]], [], [], [step], **common)
-    with pytest.raises(TypeError, match="stochastic rounding"):
+    with pytest.raises(TypeError, match="stochastic_params is for float16 / bfloat16 params"):
         ops.adamw_(
             [param],
             [grad],
@@ -289,7 +289,19 @@ def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
             [],
             [],
             [step],
-            rounding_ids=[0],
+            stochastic_params=True,
+            **common,
+        )
+    with pytest.raises(RuntimeError, match="rounding_ids has 2 ids but params has 1"):
+        ops.adamw_(
+            [param],
+            [grad],
+            [torch.zeros(300)],
+            [torch.zeros(300)],
+            [],
+            [],
+            [step],
+            rounding_ids=[0, 1],
             **common,
         )
     with pytest.raises(RuntimeError, match="scales go with uint8 states only"):

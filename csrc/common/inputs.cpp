@@ -298,15 +298,20 @@ void check_state_scales(const char* op, StateCodec codec, at::TensorList params,
   check_no_shared_memory(op, all);
 }
 
-bool check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
-                        const std::vector<int64_t>& rounding_ids) {
-  if (rounding_ids.empty()) return false;
-  TORCH_CHECK(rounding_ids.size() == count, "fusedamp: ", op, ": rounding_ids has ",
-              rounding_ids.size(), " ids but params has ", count, "; pass one per param or none");
-  TORCH_CHECK_TYPE(lists.param_dtype != DType::kFloat32 && lists.master_kind == MasterKind::kNone,
-                   "fusedamp: ", op, ": stochastic rounding (rounding_ids) is for float16 / bfloat16 "
-                   "params without master weights; pass an empty masters list and half params");
-  return true;
+std::vector<int64_t> check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
+                                        const c10::optional<at::IntArrayRef>& rounding_ids,
+                                        bool stochastic_params) {
+  TORCH_CHECK_TYPE(!stochastic_params || (lists.param_dtype != DType::kFloat32 && lists.master_kind == MasterKind::kNone),
+                   "fusedamp: ", op, ": stochastic_params is for float16 / bfloat16 params without master "
+                   "weights; pass an empty masters list and half params, or stochastic_params=False");
+  if (!rounding_ids) {
+    std::vector<int64_t> positions(count);
+    for (size_t i = 0; i < count; ++i) positions[i] = int64_t(i);
+    return positions;
+  }
+  TORCH_CHECK(rounding_ids->size() == count, "fusedamp: ", op, ": rounding_ids has ",
+              rounding_ids->size(), " ids but params has ", count, "; pass one per param or none");
+  return rounding_ids->vec();
 }
 
 StepInputs check_step_inputs(const char* op, const at::Device& device, double lr,

@@ -90,10 +90,12 @@ void check_state_scales(const char* op, StateCodec codec, at::TensorList params,
                         const std::vector<StateList>& states, const std::vector<StateList>& scales,
                         const std::vector<NamedTensors>& others);
 
-// The stochastic-rounding ids of a call (empty: round to nearest): one per param, only for fp16 /
-// bf16 params without masters. Returns whether the call rounds stochastically.
-bool check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
-                        const std::vector<int64_t>& rounding_ids);
+// The ids of a call's params for its random bits (math/stochastic.h): rounding_ids, one per param,
+// or (empty) each param's position in the list. stochastic_params: the params take their update
+// rounded stochastically, which only fp16 / bf16 params without masters can.
+std::vector<int64_t> check_rounding_ids(const char* op, const OptimizerLists& lists, size_t count,
+                                        const c10::optional<at::IntArrayRef>& rounding_ids,
+                                        bool stochastic_params);
 
 // Checks the step scalars of an optimizer op on `device` (a CPU lr_tensor is read on the host and
 // may drive a step on any device) and returns them as the kernels read them.

@@ -91,10 +91,10 @@ using OptionalList = const c10::optional<at::TensorList>&;
 using OptionalInts = const c10::optional<at::IntArrayRef>&;
 using AdamwSignature = void(List, List, List, List, List, List, List, double, Optional, double,
                             double, double, double, bool, bool, Optional, Optional, Optional, bool,
-                            OptionalList, OptionalList, OptionalList, OptionalInts, int64_t);
+                            OptionalList, OptionalList, OptionalList, OptionalInts, int64_t, bool);
 using SgdSignature = void(List, List, List, List, List, double, Optional, double, double, double,
                           bool, bool, Optional, Optional, Optional, bool, OptionalList, OptionalInts,
-                          int64_t);
+                          int64_t, bool);
 
 // What the optional list arguments of one unboxed call point into (the stack holds IValues).
 struct OwnedLists {

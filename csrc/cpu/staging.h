@@ -598,6 +598,56 @@ using LaneMask = __m256i;
 }
 #endif
 
+#if FUSEDAMP_F16C_LANES
+// stochastic.h's rounding_bits and float_to_bf16_stochastic, a vector at a time (g++ split the
+// element loop into 8-lane halves with stack spills: the stochastic steps ran at a third of the
+// stream ceiling). `elements`: the element index of each lane, as rounding_bits truncates it.
+[[gnu::always_inline]] inline CodeLanes rounding_bit_lanes(uint32_t key, CodeLanes elements) {
+  CodeLanes x = xor_lanes(elements, lanes_of(key));
+  x = xor_lanes(x, shift_right(x, 16));
+  x = mul_lanes(x, 0x7feb352du);
+  x = xor_lanes(x, shift_right(x, 15));
+  x = mul_lanes(x, 0x846ca68bu);
+  return xor_lanes(x, shift_right(x, 16));
+}
+
+
+// What encode_code's rounding adds to the next kCodeLanes values of elements from first_element:
+// half a step, or (kStochastic) stochastic_code_rounding of each element's bits under `key`.
+template <bool kStochastic>
+[[gnu::always_inline]] inline CodeLanes code_rounding_lanes(uint32_t key, int64_t first_element) {
+  if constexpr (kStochastic) {
+    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element)), lane_indices());
+    return shift_right(rounding_bit_lanes(key, elements), 12);
+  } else {
+    return lanes_of(kNearestCodeRounding);
+  }
+}
+
+// float_to_bf16_state a vector at a time: the bf16 bits in the low half of each lane.
+[[gnu::always_inline]] inline CodeLanes bf16_state_lanes(CodeLanes bits, CodeLanes random) {
+  CodeLanes result = shift_right(add_lanes(bits, and_lanes(random, lanes_of(0xffffu))), 16);
+  const LaneMask nan = lanes_at_least(and_lanes(bits, lanes_of(0x7fffffffu)), 0x7f800001u);
+  if (any_lane(nan)) result = select_lanes(nan, lanes_of(0x7fc0u), result);
+  return result;
+}
+#endif
+
+// fp32 values to a bf16 state, rounded stochastically with the bits of elements
+// [first_element, first_element + n) under `key` ([note: unbiased state rounding]).
+[[gnu::always_inline]] inline void float_tile_to_bf16_state(const float* src, uint16_t* dst, int64_t n, uint32_t key,
+                                                            int64_t first_element) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  const CodeLanes lane_index = lane_indices();
+  for (; i + kCodeLanes <= n; i += kCodeLanes) {
+    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element + i)), lane_index);
+    store_half_lanes(dst + i, bf16_state_lanes(load_bit_lanes(src + i), rounding_bit_lanes(key, elements)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = float_to_bf16_state(src[i], rounding_bits(key, first_element + i));
+}
+
 // What encoding a block of codes needs to know of its values: the top exponent (codec.h's
 // block_top_exponent of its largest finite magnitude) and whether every value is plain: finite,
 // and in an unsigned state also without its sign bit (MagnitudeMax).
@@ -632,9 +682,10 @@ struct CodeVector {
   store_kept_code_lanes(out, v.kept, v.codes);
 }
 
-// encode_code on the next kCodeLanes values of a block of top exponent `top`.
+// encode_code on the next kCodeLanes values of a block of top exponent `top`, each magnitude
+// rounded by its lane of `rounding` (code_rounding_lanes).
 template <bool kSigned, EncodeForm kForm>
-[[gnu::always_inline]] inline CodeVector encode_code_lanes(const float* values, uint32_t top) {
+[[gnu::always_inline]] inline CodeVector encode_code_lanes(const float* values, uint32_t top, CodeLanes rounding) {
   using Code = BlockCode<kSigned>;
   const uint32_t offset = uint32_t(int32_t(top) - Code::kTopExponent) * 8u;
   const CodeLanes bits = load_bit_lanes(values);
@@ -643,7 +694,7 @@ template <bool kSigned, EncodeForm kForm>
   CodeLanes result;
   LaneMask kept = all_lanes();
   if constexpr (kForm != EncodeForm::kGeneral) {
-    const CodeLanes rounded = add_lanes(magnitude, lanes_of(0x80000u - (offset << 20)));
+    const CodeLanes rounded = add_lanes(add_lanes(magnitude, rounding), lanes_of(0u - (offset << 20)));
     CodeLanes code = shift_right_signed(rounded, 20);
     if constexpr (kForm == EncodeForm::kNormal) code = min_lanes(code, lanes_of(Code::kMagnitudeMask));
     if constexpr (kSigned && kForm == EncodeForm::kFiniteNormal) {
@@ -658,7 +709,7 @@ template <bool kSigned, EncodeForm kForm>
       kept = lanes_nonzero(magnitude);
     }
   } else {
-    const CodeLanes rounded = add_lanes(magnitude, lanes_of(0x80000u));
+    const CodeLanes rounded = add_lanes(magnitude, rounding);
     const CodeLanes code =
         min_lanes(sub_lanes(shift_right(rounded, 20), lanes_of(offset)), lanes_of(Code::kMagnitudeMask));
     const LaneMask representable =
@@ -667,15 +718,17 @@ template <bool kSigned, EncodeForm kForm>
         kSigned ? lanes_of(0) : keep_lanes(lanes_nonzero(magnitude), lanes_of(Code::kSmallest));
     result = select_lanes(representable, code, flushed);
   }
+  if constexpr (kSigned) result = or_masked(result, shift_right(bits, 24), 0x80u);
   if constexpr (kForm != EncodeForm::kFiniteNormal) {
     const LaneMask non_finite = lanes_at_least(magnitude, 0x7f800000u);
     if (any_lane(non_finite)) {
-      const CodeLanes special =
-          select_lanes(lanes_equal(magnitude, 0x7f800000u), lanes_of(Code::kInf), lanes_of(Code::kNan));
+      // An inf keeps its sign, a NaN is the one unsigned NaN code (encode_code).
+      CodeLanes inf = lanes_of(Code::kInf);
+      if constexpr (kSigned) inf = or_masked(inf, shift_right(bits, 24), 0x80u);
+      const CodeLanes special = select_lanes(lanes_equal(magnitude, 0x7f800000u), inf, lanes_of(Code::kNan));
       result = select_lanes(non_finite, special, result);
     }
   }
-  if constexpr (kSigned) result = or_masked(result, shift_right(bits, 24), 0x80u);
   return {result, kept};
 }
 
@@ -811,52 +864,67 @@ struct MagnitudeMax {
 };
 
 // The top of a block (n <= kCodecBlock values) whose MagnitudeMax is max_bits: that of its largest
-// finite magnitude (only a block that holds a value that is not plain looks again for it).
-[[gnu::always_inline]] inline BlockTop block_top_of(const float* values, int64_t n, uint32_t max_bits) {
+// finite magnitude (only a block that holds a value that is not plain looks again for it), for
+// codes rounded by at most max_rounding (block_top_exponent).
+[[gnu::always_inline]] inline BlockTop block_top_of(const float* values, int64_t n, uint32_t max_bits,
+                                                    uint32_t max_rounding) {
   const bool plain = max_bits < 0x7f800000u;
   if (!plain) {
     max_bits = 0;
     for (int64_t i = 0; i < n; ++i) max_bits = std::max(max_bits, finite_magnitude_bits(values[i]));
   }
-  return {block_top_exponent(max_bits), plain};
+  return {block_top_exponent(max_bits, max_rounding), plain};
 }
 
 #if FUSEDAMP_F16C_LANES
-// encode_code_lanes over the whole vectors of n values; returns how many values they took.
-template <bool kSigned, EncodeForm kForm>
+// encode_code_lanes over the whole vectors of n values of elements from first_element; returns
+// how many values they took.
+template <bool kSigned, bool kStochastic, EncodeForm kForm>
 [[gnu::always_inline]] inline int64_t encode_code_vectors(const float* values, int64_t n, uint32_t top,
-                                                          uint8_t* codes) {
+                                                          uint8_t* codes, uint32_t key, int64_t first_element) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 8
   for (; i + 2 * kCodeLanes <= n; i += 2 * kCodeLanes) {
-    const CodeVector a = encode_code_lanes<kSigned, kForm>(values + i, top);
-    const CodeVector b = encode_code_lanes<kSigned, kForm>(values + i + kCodeLanes, top);
+    const CodeVector a = encode_code_lanes<kSigned, kForm>(
+        values + i, top, code_rounding_lanes<kStochastic>(key, first_element + i));
+    const CodeVector b = encode_code_lanes<kSigned, kForm>(
+        values + i + kCodeLanes, top, code_rounding_lanes<kStochastic>(key, first_element + i + kCodeLanes));
     store_code_lane_pair(codes + i, keep_lanes(a.kept, a.codes), keep_lanes(b.kept, b.codes));
   }
 #endif
   for (; i + kCodeLanes <= n; i += kCodeLanes) {
-    store_code_vector(codes + i, encode_code_lanes<kSigned, kForm>(values + i, top));
+    store_code_vector(codes + i, encode_code_lanes<kSigned, kForm>(
+                                     values + i, top, code_rounding_lanes<kStochastic>(key, first_element + i)));
   }
   return i;
 }
 #endif
 
-// The codes of n values of a block.
-template <bool kSigned>
-[[gnu::always_inline]] inline void encode_codes(const float* values, int64_t n, BlockTop top, uint8_t* codes) {
+// The codes of n values of a block, elements from first_element: rounded to nearest, or
+// (kStochastic) with the random bits of each element under `key`.
+template <bool kSigned, bool kStochastic>
+[[gnu::always_inline]] inline void encode_codes(const float* values, int64_t n, BlockTop top, uint8_t* codes,
+                                                uint32_t key = 0, int64_t first_element = 0) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   if (top.exponent > uint32_t(BlockCode<kSigned>::kTopExponent)) {
     if (top.plain && top.exponent < 254u) {
-      i = encode_code_vectors<kSigned, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes);
+      i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes, key,
+                                                                               first_element);
     } else {
-      i = encode_code_vectors<kSigned, EncodeForm::kNormal>(values, n, top.exponent, codes);
+      i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kNormal>(values, n, top.exponent, codes, key,
+                                                                         first_element);
     }
   } else {
-    i = encode_code_vectors<kSigned, EncodeForm::kGeneral>(values, n, top.exponent, codes);
+    i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kGeneral>(values, n, top.exponent, codes, key,
+                                                                        first_element);
   }
 #endif
-  for (; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top.exponent);
+  for (; i < n; ++i) {
+    const uint32_t rounding = kStochastic ? stochastic_code_rounding(rounding_bits(key, first_element + i))
+                                          : kNearestCodeRounding;
+    codes[i] = encode_code<kSigned>(values[i], top.exponent, rounding);
+  }
 }
 
 // A whole block (n <= kCodecBlock values) to codes and its scale.
@@ -864,8 +932,8 @@ template <bool kSigned>
 [[gnu::always_inline]] inline void encode_state_tile(const float* values, int64_t n, uint8_t* codes, float* scale) {
   MagnitudeMax<kSigned> largest;
   largest.fold(values, n);
-  const BlockTop top = block_top_of(values, n, largest.bits());
-  encode_codes<kSigned>(values, n, top, codes);
+  const BlockTop top = block_top_of(values, n, largest.bits(), kNearestCodeRounding);
+  encode_codes<kSigned, false>(values, n, top, codes);
   *scale = block_scale(top.exponent);
 }
 
@@ -929,10 +997,13 @@ template <StateCodec C, bool kSigned>
 struct StateBlock {
   void* state = nullptr;                  // the state at the block's first element
   float* values = nullptr;                // the block's fp32 values: the state itself, or a tile
+  int64_t first = 0;                      // the block's first element
+  uint32_t key = 0;                       // bf16, int8: the key of the chunk's rounding bits
   float scale = 0.0f;                     // int8: the block's scale
   BlockDecode decode{};                   // int8: how its codes decode
   const float* pending_values = nullptr;  // int8: the block before, to encode; null if none
   uint8_t* pending_codes = nullptr;
+  int64_t pending_first = 0;              // int8: the first element of the block before
   BlockTop pending_top{};
   MagnitudeMax<kSigned> largest;
 
@@ -951,7 +1022,7 @@ struct StateBlock {
   // Takes back the group that stage() gave, after the math updated it.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
     if constexpr (C == StateCodec::kBFloat16) {
-      float_tile_to_bf16(values + offset, static_cast<uint16_t*>(state) + offset, n);
+      float_tile_to_bf16_state(values + offset, static_cast<uint16_t*>(state) + offset, n, key, first + offset);
     } else if constexpr (C == StateCodec::kInt8) {
       largest.fold(values + offset, n);
     }
@@ -961,22 +1032,26 @@ struct StateBlock {
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_values != nullptr) {
-        encode_codes<kSigned>(pending_values + offset, n, pending_top, pending_codes + offset);
+        encode_codes<kSigned, true>(pending_values + offset, n, pending_top, pending_codes + offset, key,
+                                    pending_first + offset);
       }
     }
   }
 };
 
 // The chunk-long part of a staged state: the tiles of the current and the pending block, and
-// where the pending block's codes go.
+// where the pending block's codes go. `key`: the chunk's rounding key for this state
+// (chunk_rounding_key with its RoundingStream, [note: unbiased state rounding]).
 template <StateCodec C, bool kSigned>
 class StagedState {
  public:
-  StagedState(void* state, float* scales) : state_(state), scales_(scales) {}
+  StagedState(void* state, float* scales, uint32_t key) : state_(state), scales_(scales), key_(key) {}
 
   // The block of n elements from block_first.
   [[gnu::always_inline]] StateBlock<C, kSigned> begin_block(int64_t block_first, int64_t n) {
     StateBlock<C, kSigned> block{};
+    block.first = block_first;
+    block.key = key_;
     if constexpr (C == StateCodec::kFloat32) {
       block.state = static_cast<float*>(state_) + block_first;
       block.values = static_cast<float*>(block.state);
@@ -991,6 +1066,7 @@ class StagedState {
       if (pending_n_ != 0) {
         block.pending_values = tiles_[current_ ^ 1];
         block.pending_codes = static_cast<uint8_t*>(state_) + pending_first_;
+        block.pending_first = pending_first_;
         block.pending_top = pending_top_;
       }
     }
@@ -1003,9 +1079,10 @@ class StagedState {
   [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned>& block, int64_t block_first, int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ > n) {
-        encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n);
+        encode_codes<kSigned, true>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n,
+                                    key_, pending_first_ + n);
       }
-      pending_top_ = block_top_of(block.values, n, block.largest.bits());
+      pending_top_ = block_top_of(block.values, n, block.largest.bits(), kMaxStochasticCodeRounding);
       scales_[block_first / kCodecBlock] = block_scale(pending_top_.exponent);
       pending_first_ = block_first;
       pending_n_ = n;
@@ -1017,8 +1094,8 @@ class StagedState {
   [[gnu::always_inline]] void finish() {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ != 0) {
-        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_top_,
-                              static_cast<uint8_t*>(state_) + pending_first_);
+        encode_codes<kSigned, true>(tiles_[current_ ^ 1], pending_n_, pending_top_,
+                                    static_cast<uint8_t*>(state_) + pending_first_, key_, pending_first_);
       }
       pending_n_ = 0;
     }
@@ -1028,6 +1105,7 @@ class StagedState {
   static constexpr int64_t kTile = C == StateCodec::kFloat32 ? 1 : kCodecBlock;
   void* state_;
   float* scales_;
+  uint32_t key_;
   alignas(64) float tiles_[2][kTile];  // the current block's values and the pending block's
   int current_ = 0;
   int64_t pending_first_ = 0;
@@ -1036,18 +1114,6 @@ class StagedState {
 };
 
 #if FUSEDAMP_F16C_LANES
-// stochastic.h's rounding_bits and float_to_bf16_stochastic, a vector at a time (g++ split the
-// element loop into 8-lane halves with stack spills: the stochastic steps ran at a third of the
-// stream ceiling). `elements`: the element index of each lane, as rounding_bits truncates it.
-[[gnu::always_inline]] inline CodeLanes rounding_bit_lanes(uint32_t key, CodeLanes elements) {
-  CodeLanes x = xor_lanes(elements, lanes_of(key));
-  x = xor_lanes(x, shift_right(x, 16));
-  x = mul_lanes(x, 0x7feb352du);
-  x = xor_lanes(x, shift_right(x, 15));
-  x = mul_lanes(x, 0x846ca68bu);
-  return xor_lanes(x, shift_right(x, 16));
-}
-
 // The bf16 bits (in the low half of each lane) of fp32 values rounded with `random`; a lane with
 // a non-finite value takes float_to_bf16's result, which for an inf is its high half and for a
 // NaN that half made quiet (| 0x40).

@@ -38,9 +38,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   const AdamWCoefficients coefficients = shared_coefficients;
   const float multiplier = grad_multiplier(args.inputs);
   const bool amsgrad = args.hyper.amsgrad;
-  const uint32_t key =
-      kStochastic ? chunk_rounding_key(args.rounding.seed, meta.pointers[kAdamWRoundingId][chunk.slot], step, chunk.begin)
-                  : 0u;
+  const void* rounding_id = meta.pointers[kAdamWRoundingId][chunk.slot];
+  auto key_of = [&](RoundingStream stream) {
+    return chunk_rounding_key(args.rounding.seed, rounding_id, step, chunk.begin, stream);
+  };
+  const uint32_t key = kStochastic ? key_of(RoundingStream::kParam) : 0u;
+  const uint32_t exp_avg_key = key_of(RoundingStream::kState0);
+  const uint32_t exp_avg_sq_key = key_of(RoundingStream::kState1);
+  const uint32_t max_exp_avg_sq_key = key_of(RoundingStream::kState2);
 
   auto* param = chunk_pointer<storage_t<P>>(meta, kAdamWParam, chunk);
   auto* grad = chunk_pointer<storage_t<G>>(meta, kAdamWGrad, chunk);
@@ -94,9 +99,10 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
 
-    m.store(exp_avg, exp_avg_scales, first, count, vector);
-    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector);
-    if (amsgrad) v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector);
+    const int64_t element = chunk.begin + first;
+    m.store(exp_avg, exp_avg_scales, first, count, vector, exp_avg_key, element);
+    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, exp_avg_sq_key, element);
+    if (amsgrad) v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector, max_exp_avg_sq_key, element);
     param_group.store(param, first, count, vector);
     if constexpr (M != MasterKind::kNone) master_group.store(master, first, count, vector);
     if (args.inputs.write_grad) grad_group.store(grad, first, count, vector);

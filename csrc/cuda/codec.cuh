@@ -6,6 +6,7 @@
 #include "cuda/multi_tensor_apply.cuh"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/math/codec.h"
+#include "fusedamp/math/stochastic.h"
 
 namespace fusedamp::cuda {
 
@@ -32,7 +33,13 @@ template <int E>
 __device__ __forceinline__ uint32_t codec_block_max(uint32_t bits) {
   constexpr int kWarps = CodedIterations<E>::kWarpsPerCodecBlock;
   __shared__ uint32_t warp_max[kBlockThreads / 32];
+#if __CUDA_ARCH__ >= 800
   bits = __reduce_max_sync(0xffffffffu, bits);
+#else
+  // Turing and older have no redux.sync: a butterfly of shuffles leaves the maximum in every lane.
+#pragma unroll
+  for (int lanes = 16; lanes >= 1; lanes /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, lanes));
+#endif
   const int warp = int(threadIdx.x) / 32;
   if (threadIdx.x % 32 == 0) warp_max[warp] = bits;
   __syncthreads();
@@ -67,8 +74,10 @@ struct StateGroup {
   }
 
   // Every thread of the block calls it (an 8-bit block's scale is a block-wide reduction).
+  // bf16 and 8-bit states are rounded stochastically ([note: unbiased state rounding]) with the
+  // bits of elements [element, element + E) under `key`.
   __device__ __forceinline__ void store(codec_storage_t<C>* chunk, float* scales, int first, int count,
-                                        bool vector) {
+                                        bool vector, uint32_t key, int64_t element) {
     if constexpr (C == StateCodec::kInt8) {
       uint32_t max_bits = 0;
 #pragma unroll
@@ -77,9 +86,12 @@ struct StateGroup {
         const uint32_t bits = first + j < count ? finite_magnitude_bits(values[j]) : 0u;
         max_bits = max(max_bits, bits);
       }
-      const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits));
+      const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits), kMaxStochasticCodeRounding);
 #pragma unroll
-      for (int j = 0; j < E; ++j) stored.values[j] = encode_code<kSigned>(values[j], top);
+      for (int j = 0; j < E; ++j) {
+        const uint32_t rounding = stochastic_code_rounding(rounding_bits(key, element + j));
+        stored.values[j] = encode_code<kSigned>(values[j], top, rounding);
+      }
       if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = block_scale(top);
     } else {
 #pragma unroll
@@ -87,7 +99,7 @@ struct StateGroup {
         if constexpr (C == StateCodec::kFloat32) {
           stored.values[j] = values[j];
         } else {
-          stored.values[j] = float_to_bf16(values[j]);
+          stored.values[j] = float_to_bf16_state(values[j], rounding_bits(key, element + j));
         }
       }
     }
@@ -104,6 +116,10 @@ void with_coded_kernel(const Call& call, Launch&& launch) {
     constexpr DType P = decltype(p)::value;
     with_float_dtype(call.grad_dtype, [&](auto g) {
       if (call.rounding.enabled) {
+        // The op's checks (check_rounding_ids) admit nothing else: a call that gets here otherwise
+        // is a bug, never a silent no-op.
+        TORCH_CHECK(P != DType::kFloat32 && call.master_kind == MasterKind::kNone, "fusedamp internal error: ",
+                    Call::kOp, ": stochastic params need half params without masters");
         if constexpr (P != DType::kFloat32) {
           with_state_codec(call.state_codec,
                            [&](auto c) { launch(p, g, MasterTag<MasterKind::kNone>{}, c, std::true_type{}); });

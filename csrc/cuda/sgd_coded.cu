@@ -31,9 +31,11 @@ __global__ void __launch_bounds__(kBlockThreads)
       step == 0.0f);
   const float multiplier = grad_multiplier(args.inputs);
   const bool has_buffer = coefficients.momentum != 0.0f;
+  const void* rounding_id = meta.pointers[kSgdRoundingId][chunk.slot];
   const uint32_t key =
-      kStochastic ? chunk_rounding_key(args.rounding.seed, meta.pointers[kSgdRoundingId][chunk.slot], step, chunk.begin)
-                  : 0u;
+      kStochastic ? chunk_rounding_key(args.rounding.seed, rounding_id, step, chunk.begin, RoundingStream::kParam) : 0u;
+  const uint32_t buffer_key = chunk_rounding_key(args.rounding.seed, rounding_id, step, chunk.begin,
+                                                 RoundingStream::kState0);
 
   auto* param = chunk_pointer<storage_t<P>>(meta, kSgdParam, chunk);
   auto* grad = chunk_pointer<storage_t<G>>(meta, kSgdGrad, chunk);
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
 
-    if (has_buffer) buffer_group.store(buffer, scales, first, count, vector);
+    if (has_buffer) buffer_group.store(buffer, scales, first, count, vector, buffer_key, chunk.begin + first);
     param_group.store(param, first, count, vector);
     if constexpr (M != MasterKind::kNone) master_group.store(master, first, count, vector);
     if (args.inputs.write_grad) grad_group.store(grad, first, count, vector);

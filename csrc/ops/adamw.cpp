@@ -17,7 +17,8 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
             bool write_unscaled_grads, const c10::optional<at::TensorList>& exp_avg_scales,
             const c10::optional<at::TensorList>& exp_avg_sq_scales,
             const c10::optional<at::TensorList>& max_exp_avg_sq_scales,
-            const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed) {
+            const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed,
+            bool stochastic_params) {
   const char* op = AdamWCall::kOp;
   const StateCodec codec = state_codec_of(op, exp_avgs, "exp_avgs");
   const at::ScalarType state_type = codec_dtype(codec);
@@ -40,8 +41,7 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
                        {{params, "params"}, {grads, "grads", true, !grads_written},
                         {masters, "masters"}, {steps, "steps"}});
   }
-  const std::vector<int64_t> ids = rounding_ids ? rounding_ids->vec() : std::vector<int64_t>();
-  const bool stochastic = check_rounding_ids(op, lists, params.size(), ids);
+  const std::vector<int64_t> ids = check_rounding_ids(op, lists, params.size(), rounding_ids, stochastic_params);
   AdamWCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                  {beta1, beta2, eps, weight_decay, amsgrad, maximize},
                  check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,
@@ -71,9 +71,9 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
       call.lists.pointers[list] = data_pointers(at::TensorList(), count);
     }
   }
-  call.rounding = {stochastic, uint64_t(rounding_seed)};
+  call.rounding = {stochastic_params, uint64_t(rounding_seed)};
   call.lists.pointers[kAdamWRoundingId] = std::vector<void*>(count, nullptr);
-  for (size_t i = 0; stochastic && i < count; ++i) {
+  for (size_t i = 0; i < count; ++i) {
     call.lists.pointers[kAdamWRoundingId][i] = rounding_id_as_pointer(ids[i]);
   }
   run_kernel(call);

@@ -15,7 +15,8 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
           const c10::optional<at::Tensor>& inv_grad_scale,
           const c10::optional<at::Tensor>& found_inf, const c10::optional<at::Tensor>& clip_coef,
           bool write_unscaled_grads, const c10::optional<at::TensorList>& momentum_buffer_scales,
-          const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed) {
+          const c10::optional<at::IntArrayRef>& rounding_ids, int64_t rounding_seed,
+          bool stochastic_params) {
   const char* op = SgdCall::kOp;
   const StateCodec codec = state_codec_of(op, momentum_buffers, "momentum_buffers");
   const std::vector<StateList> states = {
@@ -31,8 +32,7 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
                        {{params, "params"}, {grads, "grads", true, !grads_written},
                         {masters, "masters"}, {steps, "steps"}});
   }
-  const std::vector<int64_t> ids = rounding_ids ? rounding_ids->vec() : std::vector<int64_t>();
-  const bool stochastic = check_rounding_ids(op, lists, params.size(), ids);
+  const std::vector<int64_t> ids = check_rounding_ids(op, lists, params.size(), rounding_ids, stochastic_params);
   SgdCall call{lists.device, lists.param_dtype, lists.grad_dtype, lists.master_kind, {},
                {momentum, dampening, weight_decay, nesterov, maximize},
                check_step_inputs(op, lists.device, lr, lr_tensor, inv_grad_scale, found_inf,
@@ -53,9 +53,9 @@ void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_b
   call.state_codec = codec;
   call.lists.pointers[kSgdMomentumBufferScale] = data_pointers(
       codec == StateCodec::kInt8 && momentum != 0.0 ? scales[0].tensors : at::TensorList(), count);
-  call.rounding = {stochastic, uint64_t(rounding_seed)};
+  call.rounding = {stochastic_params, uint64_t(rounding_seed)};
   call.lists.pointers[kSgdRoundingId] = std::vector<void*>(count, nullptr);
-  for (size_t i = 0; stochastic && i < count; ++i) {
+  for (size_t i = 0; i < count; ++i) {
     call.lists.pointers[kSgdRoundingId][i] = rounding_id_as_pointer(ids[i]);
   }
   run_kernel(call);

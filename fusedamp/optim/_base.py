@@ -183,9 +183,17 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
     def _index_params(self) -> None:
         # A param's position in the optimizer (over all groups, as state_dict numbers them): the
-        # id its stochastic rounding bits are drawn under, the same after a resume.
+        # id its random bits (stochastic params, coded states) are drawn under, the same after a
+        # resume.
         params = chain.from_iterable(group["params"] for group in self.param_groups)
         self._param_indices = {id(param): index for index, param in enumerate(params)}
+
+    def _param_index(self, param: Tensor) -> int:
+        index = self._param_indices.get(id(param))
+        if index is None:  # a param put into a group by hand after the optimizer indexed them
+            self._index_params()
+            index = self._param_indices[id(param)]
+        return index
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim pickles (and deep-copies) only defaults, state and param_groups.
@@ -488,8 +496,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 bucket.params.append(work_param)
                 bucket.grads.append(work_grad)
             bucket.states.append(self._state_of(param, bucket, work_param))
-            if bucket.stochastic:
-                bucket.param_ids.append(self._param_indices[id(param)])
+            bucket.param_ids.append(self._param_index(param))
         return list(buckets.values())
 
     # --- AMP: the read-only pass and clipping -------------------------------------------------

@@ -4,7 +4,8 @@ fusedamp/math/codec.h), and the conversions between them and float32.
 
 A moment ``key`` of an ``"int8"`` state is a uint8 tensor of codes in the param's memory format,
 with its scales under ``key + "_scales"`` (1-D float32, one per block of 256 elements in storage
-order).
+order). The optimizer steps store bf16 and int8 states rounded stochastically ([note: unbiased
+state rounding] in codec.h); the conversions here round to nearest.
 """
 
 from __future__ import annotations

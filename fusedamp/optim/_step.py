@@ -47,7 +47,7 @@ class Bucket:
     native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
     complex: bool  # complex params: the kernels get the real views of params, grads and moments
     stochastic: bool = False  # half params rounded stochastically (master_weights="stochastic")
-    param_ids: list[int] = field(default_factory=list)  # their indices in the optimizer, if so
+    param_ids: list[int] = field(default_factory=list)  # the params' indices in the optimizer
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
     states: list[dict[str, Any]] = field(default_factory=list)
@@ -73,10 +73,13 @@ class Bucket:
         return [state[key + "_scales"] for state in self.states]
 
     def rounding(self) -> dict[str, Any]:
-        """The op keywords of stochastic rounding (none when the bucket rounds to nearest)."""
-        if not self.stochastic:
-            return {}
-        return {"rounding_ids": self.param_ids, "rounding_seed": self.group["seed"]}
+        """The op keywords of the step's random bits: the params' ids and the group's seed (coded
+        states always round stochastically), and whether the params do."""
+        return {
+            "rounding_ids": self.param_ids,
+            "rounding_seed": self.group["seed"],
+            "stochastic_params": self.stochastic,
+        }
 
 
 @dataclass

@@ -35,7 +35,9 @@ class FusedAdamW(FusedOptimizer):
     - ``moments``: how ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are stored:
       ``"fp32"`` (default), ``"bf16"``, or ``"int8"``: 8-bit block codes (uint8, an fp8-like
       code relative to a power-of-two float32 scale per block of 256 elements, under
-      ``"<key>_scales"``), about 1 byte per element. float64 and complex params keep torch's
+      ``"<key>_scales"``), about 1 byte per element. bf16 and int8 moments are stored rounded
+      stochastically (unbiased, with bits from the hash ``seed`` keys), so that changes smaller
+      than their resolution are kept on average and long runs track fp32 moments. float64 and complex params keep torch's
       own step and need ``"fp32"``. ``state_bytes()`` measures what the state holds;
       ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
     - ``seed``: the seed of stochastic rounding (an int, kept in the param groups, so it is

@@ -62,14 +62,20 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   void* grad = lists[kAdamWGrad][tensor];
   void* master = lists[kAdamWMaster][tensor];
   const StochasticRounding& rounding = call.rounding;
-  const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kAdamWRoundingId][tensor],
-                                                             *static_cast<const float*>(lists[kAdamWStep][tensor]), begin)
-                                        : 0u;
-  StagedState<C, true> exp_avg(lists[kAdamWExpAvg][tensor], static_cast<float*>(lists[kAdamWExpAvgScale][tensor]));
+  const void* rounding_id = lists[kAdamWRoundingId][tensor];
+  const float step = *static_cast<const float*>(lists[kAdamWStep][tensor]);
+  auto key_of = [&](RoundingStream stream) {
+    return chunk_rounding_key(rounding.seed, rounding_id, step, begin, stream);
+  };
+  const uint32_t key = rounding.enabled ? key_of(RoundingStream::kParam) : 0u;
+  StagedState<C, true> exp_avg(lists[kAdamWExpAvg][tensor], static_cast<float*>(lists[kAdamWExpAvgScale][tensor]),
+                               key_of(RoundingStream::kState0));
   StagedState<C, false> exp_avg_sq(lists[kAdamWExpAvgSq][tensor],
-                                   static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]));
+                                   static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]),
+                                   key_of(RoundingStream::kState1));
   StagedState<C, false> max_exp_avg_sq(lists[kAdamWMaxExpAvgSq][tensor],
-                                       static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]));
+                                       static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]),
+                                       key_of(RoundingStream::kState2));
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     if (kAmsgrad) {

@@ -58,10 +58,14 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
   void* master = lists[kSgdMaster][tensor];
   void* buffer = lists[kSgdMomentumBuffer][tensor];
   const StochasticRounding& rounding = call.rounding;
-  const uint32_t key = rounding.enabled ? chunk_rounding_key(rounding.seed, lists[kSgdRoundingId][tensor],
-                                                             *static_cast<const float*>(lists[kSgdStep][tensor]), begin)
-                                        : 0u;
-  StagedState<C, true> momentum(buffer, static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]));
+  const void* rounding_id = lists[kSgdRoundingId][tensor];
+  const float step = *static_cast<const float*>(lists[kSgdStep][tensor]);
+  auto key_of = [&](RoundingStream stream) {
+    return chunk_rounding_key(rounding.seed, rounding_id, step, begin, stream);
+  };
+  const uint32_t key = rounding.enabled ? key_of(RoundingStream::kParam) : 0u;
+  StagedState<C, true> momentum(buffer, static_cast<float*>(lists[kSgdMomentumBufferScale][tensor]),
+                                key_of(RoundingStream::kState0));
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     if (kHasMomentum) {

@@ -1,5 +1,6 @@
-// Optimizer state codecs (DESIGN.md rule 7): how a moment is stored (fp32, bf16, or 8-bit codes
-// with one power-of-two scale per block of kCodecBlock elements), loaded as fp32 and stored back.
+// Optimizer state codecs ([note: state codecs]): how a moment is stored (fp32, bf16, or 8-bit
+// codes with one power-of-two scale per block of kCodecBlock elements), loaded as fp32 and stored
+// back, rounded stochastically by the optimizer steps ([note: unbiased state rounding]).
 #pragma once
 
 #include "fusedamp/math/dtypes.h"
@@ -9,7 +10,7 @@ namespace fusedamp {
 // How an optimizer's per-element states (moments, momentum buffers) are stored. One codec per call.
 enum class StateCodec : int32_t {
   kFloat32 = 0,   // float per element
-  kBFloat16 = 1,  // bf16 per element, round to nearest even
+  kBFloat16 = 1,  // bf16 per element
   kInt8 = 2,      // uint8 code per element + one fp32 scale per block ([note: block codes])
 };
 
@@ -43,17 +44,30 @@ struct BlockCode {
   static constexpr uint32_t kNan = 1, kInf = 2, kSmallest = 8;
 };
 
-// The fp32 bit pattern of |bits| rounded to 3 mantissa bits (nearest, ties away from zero: one add
-// fewer than ties to even, in the vector encoders' busiest loop); may carry into the next binade.
-FUSEDAMP_HOST_DEVICE uint32_t round_to_code_mantissa(uint32_t magnitude_bits) {
-  return magnitude_bits + 0x80000u;
-}
+// [note: unbiased state rounding] An optimizer step stores each coded state rounded
+// stochastically: up with probability (distance to the lower neighbour) / spacing, with random
+// bits from math/stochastic.h's keyed hash. Round to nearest loses every change smaller than half
+// a code step, and a moment's change per step is (1 - beta) of its distance to the new value:
+// with beta2 = 0.999 that is far below half a step of 3 mantissa bits (or bf16's 8), so the
+// second moment froze near its early value and the effective learning rate kept growing (2.5x
+// AdamW's displacement after 3000 steps). Rounded without bias, each state tracks its fp32 value
+// in expectation. Conversions (encode_state, loading a torch state_dict) round to nearest.
 
-// What a block keeps of its largest finite magnitude (max over the block of finite_magnitude_bits):
-// the biased fp32 exponent of it rounded to the code's mantissa, in [0, 254]. 0: an all-zero (or
-// all-subnormal) block, which stores as zeros.
-FUSEDAMP_HOST_DEVICE uint32_t block_top_exponent(uint32_t max_magnitude_bits) {
-  const uint32_t exponent = round_to_code_mantissa(max_magnitude_bits) >> 23;
+// What a code's rounding adds to the magnitude bits before their 20 low mantissa bits are dropped:
+// half a step (round to nearest, ties away from zero: one add fewer than ties to even), or a
+// uniform random amount below one step (stochastic_code_rounding).
+constexpr uint32_t kNearestCodeRounding = 0x80000u;
+// The largest amount stochastic_code_rounding adds: a block's top is taken with it, so that no
+// value of the block rounds past the top binade.
+constexpr uint32_t kMaxStochasticCodeRounding = 0xfffffu;
+
+FUSEDAMP_HOST_DEVICE uint32_t stochastic_code_rounding(uint32_t random) { return random >> 12; }
+
+// What a block keeps of its largest finite magnitude (max over the block of finite_magnitude_bits),
+// rounded up by the largest amount its codes' rounding may add: the biased fp32 exponent, in
+// [0, 254]. 0: an all-zero (or all-subnormal) block, which stores as zeros.
+FUSEDAMP_HOST_DEVICE uint32_t block_top_exponent(uint32_t max_magnitude_bits, uint32_t max_rounding) {
+  const uint32_t exponent = (max_magnitude_bits + max_rounding) >> 23;
   return exponent > 254u ? 254u : exponent;
 }
 
@@ -71,13 +85,17 @@ FUSEDAMP_HOST_DEVICE float block_scale(uint32_t top_exponent) {
 // The biased fp32 exponent of a block scale (the inverse of block_scale).
 FUSEDAMP_HOST_DEVICE uint32_t scale_top_exponent(float scale) { return float_bits(scale) >> 23; }
 
+// The code of `value` in a block of top exponent `top_exponent`, its magnitude rounded by
+// `rounding` (kNearestCodeRounding or stochastic_code_rounding). A NaN is the one NaN code, with no
+// sign: NaN payloads and signs differ between CPU and GPU arithmetic, the codes must not.
 template <bool kSigned>
-FUSEDAMP_HOST_DEVICE uint8_t encode_code(float value, uint32_t top_exponent) {
+FUSEDAMP_HOST_DEVICE uint8_t encode_code(float value, uint32_t top_exponent,
+                                         uint32_t rounding = kNearestCodeRounding) {
   using Code = BlockCode<kSigned>;
   const uint32_t bits = float_bits(value);
   const uint32_t magnitude = bits & 0x7fffffffu;
   const int32_t offset = (int32_t(top_exponent) - Code::kTopExponent) * 8;
-  int32_t code = int32_t(round_to_code_mantissa(magnitude) >> 20) - offset;
+  int32_t code = int32_t((magnitude + rounding) >> 20) - offset;
   code = code > int32_t(Code::kMagnitudeMask) ? int32_t(Code::kMagnitudeMask) : code;
   // Normal fp32 values at or above the bottom binade keep their code; the rest flush.
   const bool representable = (code >= 8) & (magnitude >= 0x00800000u) & (top_exponent != 0u);
@@ -85,8 +103,17 @@ FUSEDAMP_HOST_DEVICE uint8_t encode_code(float value, uint32_t top_exponent) {
   uint32_t result = select_bits(representable, uint32_t(code), flushed);
   result = select_bits(magnitude >= 0x7f800000u,
                        select_bits(magnitude == 0x7f800000u, Code::kInf, Code::kNan), result);
-  if constexpr (kSigned) result |= (bits >> 24) & 0x80u;
+  if constexpr (kSigned) result |= select_bits(magnitude > 0x7f800000u, 0u, (bits >> 24) & 0x80u);
   return uint8_t(result);
+}
+
+// A bf16 state value: `value` rounded stochastically with `random` (low 16 bits), a NaN as the one
+// quiet NaN 0x7fc0 ([note: unbiased state rounding]; encode_code says why NaN is canonical).
+FUSEDAMP_HOST_DEVICE uint16_t float_to_bf16_state(float value, uint32_t random) {
+  const uint32_t bits = float_bits(value);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  const uint32_t rounded = select_bits(magnitude == 0x7f800000u, bits, bits + (random & 0xffffu)) >> 16;
+  return uint16_t(select_bits(magnitude > 0x7f800000u, 0x7fc0u, rounded));
 }
 
 template <bool kSigned>

@@ -9,7 +9,8 @@
 
 namespace fusedamp {
 
-// What an optimizer call needs to round its params stochastically (enabled false: round to nearest).
+// What an optimizer call needs for its random bits: the seed, and whether the params take their
+// update stochastically rounded (enabled; false: to nearest). Coded states always are.
 // [note: rounding ids] Each param's id (its index in the optimizer) travels as the value of a
 // pointer list of the call's TensorLists, so that the CUDA launch metadata carries it per slot.
 struct StochasticRounding {
@@ -42,11 +43,19 @@ FUSEDAMP_HOST_DEVICE uint32_t rounding_key(uint64_t seed, uint64_t param_id, uin
   return uint32_t(mix64(x ^ element_high));
 }
 
+// The random streams of one step: the param's rounding and one per coded state of the call
+// ([note: unbiased state rounding] in math/codec.h), so that no two roundings share bits.
+enum class RoundingStream : uint64_t { kParam = 0, kState0 = 1, kState1 = 2, kState2 = 3 };
+
 // The key of a chunk that starts at element `begin` of the param whose id travels in
-// `rounding_id` ([note: rounding ids]), for the step after `step` (the count before it): what
-// both backends compute once per chunk.
-FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* rounding_id, float step, int64_t begin) {
-  return rounding_key(seed, rounding_id_of(rounding_id), uint64_t(step) + 1, uint64_t(begin) >> 32);
+// `rounding_id` ([note: rounding ids]), for the step after `step` (the count before it) and
+// `stream`: what both backends compute once per chunk and stream. The count is the optimizers'
+// fp32 step, exact up to 2^24 steps; past that torch's float step count stops growing, and the
+// keys repeat from step to step with it.
+FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* rounding_id, float step, int64_t begin,
+                                                 RoundingStream stream = RoundingStream::kParam) {
+  const uint64_t stream_seed = seed ^ (uint64_t(stream) * 0xd1b54a32d192ed03ull);
+  return rounding_key(stream_seed, rounding_id_of(rounding_id), uint64_t(step) + 1, uint64_t(begin) >> 32);
 }
 
 // 32 random bits of one element: Wellons' lowbias32 of its low 32 index bits and the key (two
