@@ -195,7 +195,7 @@ if compiler_is_gcc_for_x86():
 torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
 link_flags = ["-fopenmp", f"-Wl,-rpath,{torch_lib}"]
 # Which ISA builds exist, for csrc/cpu/isa.cpp's choice at run time.
-isa_macros = [(f"FUSEDAMP_BUILT_{isa.upper()}", "1" if isa in CPU_ISAS else "0") for isa in ("avx512", "avx2")]
+isa_macros = [(f"FUSEDAMP_BUILT_{isa.upper()}", str(int(isa in CPU_ISAS))) for isa in ("avx512", "avx2")]
 
 
 def cpu_kernel_sources() -> list[str]:

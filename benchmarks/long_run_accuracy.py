@@ -58,28 +58,53 @@ def _master(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
 def contestants() -> list[Contestant]:
     found = [
         Contestant("torch AdamW, fp32 (reference)", torch.float32, lambda g: torch.optim.AdamW(g), _param),
-        Contestant("fusedamp int8, fp32 params", torch.float32,
-                   lambda g: fusedamp.FusedAdamW(g, moments="int8"), _param),
-        Contestant("fusedamp int8, bf16 + remainder", torch.bfloat16,
-                   lambda g: fusedamp.FusedAdamW(g, moments="int8", master_weights="remainder"), _master),
-        Contestant("fusedamp int8, bf16 stochastic", torch.bfloat16,
-                   lambda g: fusedamp.FusedAdamW(g, moments="int8", master_weights="stochastic"), _param),
-        Contestant("fusedamp bf16 moments, fp32 params", torch.float32,
-                   lambda g: fusedamp.FusedAdamW(g, moments="bf16"), _param),
+        Contestant(
+            "fusedamp int8, fp32 params",
+            torch.float32,
+            lambda g: fusedamp.FusedAdamW(g, moments="int8"),
+            _param,
+        ),
+        Contestant(
+            "fusedamp int8, bf16 + remainder",
+            torch.bfloat16,
+            lambda g: fusedamp.FusedAdamW(g, moments="int8", master_weights="remainder"),
+            _master,
+        ),
+        Contestant(
+            "fusedamp int8, bf16 stochastic",
+            torch.bfloat16,
+            lambda g: fusedamp.FusedAdamW(g, moments="int8", master_weights="stochastic"),
+            _param,
+        ),
+        Contestant(
+            "fusedamp bf16 moments, fp32 params",
+            torch.float32,
+            lambda g: fusedamp.FusedAdamW(g, moments="bf16"),
+            _param,
+        ),
     ]
     try:
         import bitsandbytes as bnb
 
-        found.append(Contestant(f"bitsandbytes {bnb.__version__} AdamW8bit", torch.float32,
-                                lambda g: bnb.optim.AdamW8bit(g), _param))
+        found.append(
+            Contestant(
+                f"bitsandbytes {bnb.__version__} AdamW8bit",
+                torch.float32,
+                lambda g: bnb.optim.AdamW8bit(g),
+                _param,
+            )
+        )
     except ImportError:
         print("bitsandbytes is not installed: its row is skipped")
     try:
         import torchao
         from torchao.optim import AdamW8bit
 
-        found.append(Contestant(f"torchao {torchao.__version__} AdamW8bit", torch.float32,
-                                lambda g: AdamW8bit(g), _param))
+        found.append(
+            Contestant(
+                f"torchao {torchao.__version__} AdamW8bit", torch.float32, lambda g: AdamW8bit(g), _param
+            )
+        )
     except ImportError:
         print("torchao is not installed: its row is skipped")
     return found
@@ -95,21 +120,26 @@ def run(steps: int) -> dict:
     entries = []
     for contestant in contestants():
         params = [torch.nn.Parameter(_start().to(contestant.dtype)) for _ in CONFIGS]
-        opt = contestant.build([{"params": [p], "lr": lr, "betas": (0.9, beta2), "weight_decay": 0.0}
-                                for p, (beta2, lr, _) in zip(params, CONFIGS)])
+        opt = contestant.build(
+            [
+                {"params": [p], "lr": lr, "betas": (0.9, beta2), "weight_decay": 0.0}
+                for p, (beta2, lr, _) in zip(params, CONFIGS, strict=True)
+            ]
+        )
         generator = torch.Generator().manual_seed(2)
         signs = torch.randint(0, 2, (NUMEL,), generator=generator).float() * 2 - 1
         positions: dict[int, list[torch.Tensor]] = {}
         began = time.perf_counter()
         for step in range(1, steps + 1):
             noise = torch.randn(NUMEL, generator=generator)
-            for param, (_, _, level) in zip(params, CONFIGS):
+            for param, (_, _, level) in zip(params, CONFIGS, strict=True):
                 param.grad = (signs + level * noise).to(contestant.dtype)
             opt.step()
             if step in checkpoints:
                 positions[step] = [contestant.observed(opt, p).double().clone() for p in params]
-        entries.append({"name": contestant.name, "positions": positions,
-                        "seconds": time.perf_counter() - began})
+        entries.append(
+            {"name": contestant.name, "positions": positions, "seconds": time.perf_counter() - began}
+        )
         print(f"{contestant.name}: {entries[-1]['seconds']:.0f} s", flush=True)
     start = _start().double()
     reference = entries[0]["positions"]
@@ -124,8 +154,13 @@ def run(steps: int) -> dict:
                 ratios[step] = float((moved * ref).sum() / (ref * ref).sum())
             rows.append({"beta2": beta2, "lr": lr, "noise": level, "projection": ratios})
         results.append({"name": entry["name"], "rows": rows})
-    return {"checkpoints": checkpoints, "numel": NUMEL, "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(), "results": results}
+    return {
+        "checkpoints": checkpoints,
+        "numel": NUMEL,
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "results": results,
+    }
 
 
 def table(report: dict) -> str:
@@ -153,8 +188,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     report = run(args.steps)
-    print(f"\nprojection on torch AdamW's displacement after {report['checkpoints'][-1]} steps "
-          f"(in brackets: the farthest from 1 of steps {report['checkpoints']}), {NUMEL} params")
+    print(
+        f"\nprojection on torch AdamW's displacement after {report['checkpoints'][-1]} steps "
+        f"(in brackets: the farthest from 1 of steps {report['checkpoints']}), {NUMEL} params"
+    )
     print(table(report))
     if args.json:
         with open(args.json, "w") as out:

@@ -752,9 +752,8 @@ class OptimizerSample:
             named.update(lr=0.0, lr_tensor=_scalar(self.lr, "cpu" if self.lr_tensor == "cpu" else device))
         named["write_unscaled_grads"] = self.write_unscaled_grads
         if self.stochastic:
-            named.update(
-                rounding_ids=[3 * index + 1 for index in range(len(self.sizes))], rounding_seed=5, stochastic_params=True
-            )
+            ids = [3 * index + 1 for index in range(len(self.sizes))]
+            named.update(rounding_ids=ids, rounding_seed=5, stochastic_params=True)
         return named
 
     def coded(self, states: list[Tensor], signed: bool) -> tuple[list[Tensor], list[Tensor] | None]:

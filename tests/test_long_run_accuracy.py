@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 
 import fusedamp
@@ -25,8 +24,12 @@ BETA2S = (0.95, 0.999, 0.9999)
 LRS = (1e-5, 1e-3)
 NOISES = (0.0, 0.5)  # a steady gradient (a fixed sign per element) and a noisy one
 # (param dtype, master_weights) of the fusedamp runs: fp32 params and bf16 params with each master.
-PARAM_MODES = ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, "remainder"),
-               (torch.bfloat16, "stochastic"))
+PARAM_MODES = (
+    (torch.float32, True),
+    (torch.bfloat16, True),
+    (torch.bfloat16, "remainder"),
+    (torch.bfloat16, "stochastic"),
+)
 
 
 def _start(dtype: torch.dtype) -> torch.Tensor:
@@ -60,11 +63,18 @@ def _long_run(optimizer: str, moments_modes: tuple[str, ...]) -> dict[tuple, dic
 
     ref_params = [torch.nn.Parameter(_start(torch.float32)) for _ in references]
     reference_class = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    ref_opt = reference_class([{"params": [p], **options(beta2, lr)} for p, (beta2, lr) in zip(ref_params, references)])
+    ref_opt = reference_class(
+        [{"params": [p], **options(beta2, lr)} for p, (beta2, lr) in zip(ref_params, references, strict=True)]
+    )
     params = [torch.nn.Parameter(_start(dtype)) for _, (dtype, _), _, _ in groups_of]
     fused_class = fusedamp.FusedAdamW if optimizer == "adamw" else fusedamp.FusedSGD
-    opt = fused_class([{"params": [p], "moments": moments, "master_weights": master, **options(beta2, lr)}
-                       for p, (moments, (_, master), beta2, lr) in zip(params, groups_of)], seed=3)
+    opt = fused_class(
+        [
+            {"params": [p], "moments": moments, "master_weights": master, **options(beta2, lr)}
+            for p, (moments, (_, master), beta2, lr) in zip(params, groups_of, strict=True)
+        ],
+        seed=3,
+    )
     ref_start = _start(torch.float32).double()
     generator = torch.Generator().manual_seed(2)
     signs = torch.randint(0, 2, (NUMEL,), generator=generator).float() * 2 - 1
@@ -80,11 +90,15 @@ def _long_run(optimizer: str, moments_modes: tuple[str, ...]) -> dict[tuple, dic
         opt.step()
         if step not in CHECKPOINTS:
             continue
-        for param, group, config in zip(params, opt.param_groups, groups_of):
-            ref = (ref_params[references.index(config[2:])].detach().double() - ref_start).view(len(NOISES), NUMEL)
+        for param, group, config in zip(params, opt.param_groups, groups_of, strict=True):
+            ref = (ref_params[references.index(config[2:])].detach().double() - ref_start).view(
+                len(NOISES), NUMEL
+            )
             moved = (_observed(opt, group, param) - ref_start).view(len(NOISES), NUMEL)
-            for level, d, d_ref in zip(NOISES, moved, ref):
-                ratios.setdefault((*config, level), {})[step] = float((d * d_ref).sum() / (d_ref * d_ref).sum())
+            for level, d, d_ref in zip(NOISES, moved, ref, strict=True):
+                ratios.setdefault((*config, level), {})[step] = float(
+                    (d * d_ref).sum() / (d_ref * d_ref).sum()
+                )
     return ratios
 
 

@@ -37,9 +37,9 @@ class FusedAdamW(FusedOptimizer):
       code relative to a power-of-two float32 scale per block of 256 elements, under
       ``"<key>_scales"``), about 1 byte per element. bf16 and int8 moments are stored rounded
       stochastically (unbiased, with bits from the hash ``seed`` keys), so that changes smaller
-      than their resolution are kept on average and long runs track fp32 moments. float64 and complex params keep torch's
-      own step and need ``"fp32"``. ``state_bytes()`` measures what the state holds;
-      ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
+      than their resolution are kept on average and long runs track fp32 moments. float64 and
+      complex params keep torch's own step and need ``"fp32"``. ``state_bytes()`` measures what
+      the state holds; ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
     - ``seed``: the seed of stochastic rounding (an int, kept in the param groups, so it is
       part of ``state_dict()``).
     - ``max_grad_norm``: clip the grads to this global L2 norm (over every param of the
