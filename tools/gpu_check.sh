@@ -13,7 +13,8 @@
 # GPU_CHECK_BENCHMARKS limits the benchmarks to some modules (python -m benchmarks --only).
 # Everything lands in $OUT, at most 8 files (what the device tool brings back): summary.json
 # (environment + per-stage status, always written, also when a stage fails), build.log,
-# tests.log, cuda_tests.xml, gemm_tests.xml, sanitizer.log, benchmarks.log, benchmarks.json.
+# tests.log, cuda_tests.xml, gemm_tests.xml, sanitizer.log, benchmarks.log and the benchmarks'
+# <platform>.json (e.g. cuda-h200.json: commit it as benchmarks/results/<platform>.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -115,7 +116,7 @@ stage() {
 }
 
 # Every entry point runs as a module from the checkout's root (python -m puts it on sys.path),
-# where the build lands: a script path would put benchmarks/ there instead, and no fusedamp.
+# where the build lands: a script path would put tools/ there instead, and no fusedamp.
 PYTEST=("$PYTHON" -u -m pytest -v --durations=25 -m cuda -o faulthandler_timeout=60
         --continue-on-collection-errors -p no:cacheprovider)
 if "$PYTHON" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout=120); fi
@@ -123,7 +124,7 @@ if "$PYTHON" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout=12
 # The carried build, when it matches and imports (a host with a newer glibc could make one that
 # does not); else the build below replaces what was installed.
 begin=$(date +%s)
-if carried=$("$PYTHON" -u -m benchmarks.device_build install --folder "$CARRIED" \
+if carried=$("$PYTHON" -u -m tools.device_build install --folder "$CARRIED" \
     --archs "$TORCH_CUDA_ARCH_LIST" 2>&1) &&
     carried+=$'\n'$("$PYTHON" -c "import fusedamp; print('gpu_check: the carried build imports')" 2>&1); then
   echo "$carried" | tee -a "$OUT/build.log"
@@ -159,7 +160,7 @@ for tool in memcheck initcheck; do
     continue
   fi
   if ! stage "sanitizer_$tool" 50 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-      ${sanitize[@]+"${sanitize[@]}"} "$PYTHON" -u -m benchmarks.sanitizer_subset; then
+      ${sanitize[@]+"${sanitize[@]}"} "$PYTHON" -u -m tools.sanitizer_subset; then
     if grep -q "Device not supported" "$OUT/sanitizer.log"; then
       # Some sandboxes (gVisor) refuse the sanitizer: not a finding about fusedamp.
       sed -i '$ s/\tfailed\t/\tunsupported\t/' "$STAGES"
@@ -172,6 +173,6 @@ done
 only=()
 if [[ -n "${GPU_CHECK_BENCHMARKS:-}" ]]; then only=(--only "$GPU_CHECK_BENCHMARKS"); fi
 stage benchmarks 70 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks --timeout 60 ${only[@]+"${only[@]}"} \
-  --json "$OUT/benchmarks.json" --plot "$(mktemp -d)/benchmarks.png" || status=1
+  --results-dir "$OUT" || status=1
 echo "gpu_check: total $(( $(date +%s) - START )) s"
 exit "$status"

@@ -5,7 +5,7 @@ kernel the GPU and this build can run. Sizes put tails at chunk and tile ends an
 element into their storage (scalar paths). Without a GPU it says so and exits 0 (skipped).
 Run it as a module from the checkout's root, where fusedamp is:
 
-    compute-sanitizer --tool initcheck --error-exitcode 1 python -m benchmarks.sanitizer_subset
+    compute-sanitizer --tool initcheck --error-exitcode 1 python -m tools.sanitizer_subset
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 C7511). Needs nvcc and torch, no GPU. Either compiles every CUDA source with ``-Xptxas -v``, or
 reads the log of a full build made with FUSEDAMP_PTXAS_VERBOSE=1 (what CI does: one compile).
 
-    python -m benchmarks.check_ptxas                 # archs 8.0;9.0a, or TORCH_CUDA_ARCH_LIST
-    python -m benchmarks.check_ptxas --jobs 2 --json out/ptxas.json
+    python -m tools.check_ptxas                 # archs 8.0;9.0a, or TORCH_CUDA_ARCH_LIST
+    python -m tools.check_ptxas --jobs 2 --json out/ptxas.json
     FUSEDAMP_PTXAS_VERBOSE=1 make build 2>&1 | tee build.log
-    python -m benchmarks.check_ptxas --log build.log  # from a build from scratch
+    python -m tools.check_ptxas --log build.log  # from a build from scratch
 """
 
 from __future__ import annotations

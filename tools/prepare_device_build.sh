@@ -3,10 +3,10 @@
 # spends its device time on tests instead of a ~200 s build: a venv with the device's Python 3.12
 # and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
 # debug info stripped (the device tool carries at most 64 MiB), into .device_build/ (ignored by
-# git) with a manifest of Python, torch, archs and a digest of the sources (benchmarks/device_build.py).
+# git) with a manifest of Python, torch, archs and a digest of the sources (tools/device_build.py).
 #
-#   bash benchmarks/prepare_device_build.sh    # then commit, and call the device with:
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".device_build"], timeout_s=360)
+#   bash tools/prepare_device_build.sh    # then commit, and call the device with:
+#   run(command="bash tools/gpu_check.sh", carry=[".device_build"], timeout_s=360)
 #
 # gpu_check.sh installs the carried build only when the device's Python, torch and archs and the
 # checkout's sources match the manifest, and builds there otherwise (the log says why). Rebuild here
@@ -56,5 +56,5 @@ for library in "$STAGING"/fusedamp/_C.cpython-*.so; do
 done
 cp "$STAGING/fusedamp/_build_meta.py" "$FOLDER/"
 # The digest of the sources that were built (the staging copy), whatever changed here since.
-"$VENV/bin/python" -m benchmarks.device_build manifest --folder "$FOLDER" --archs "$ARCHS" --root "$STAGING"
+"$VENV/bin/python" -m tools.device_build manifest --folder "$FOLDER" --archs "$ARCHS" --root "$STAGING"
 du -sh "$FOLDER"/*

@@ -2,8 +2,8 @@
 device image's Python, torch and CUDA archs, installed by gpu_check.sh only when all three and the
 sources it was built from match what the device has (else gpu_check.sh builds there).
 
-    python -m benchmarks.device_build manifest --folder .device_build --archs "8.0;9.0a"
-    python -m benchmarks.device_build install --folder .device_build --archs "8.0;9.0a"
+    python -m tools.device_build manifest --folder .device_build --archs "8.0;9.0a"
+    python -m tools.device_build install --folder .device_build --archs "8.0;9.0a"
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def install(folder: str, archs: str, root: str = ROOT) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.device_build", description=__doc__.split("\n\n")[0]
+        prog="python -m tools.device_build", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("action", choices=("manifest", "check", "install"))
     parser.add_argument("--folder", required=True, help="the carried build's folder")
