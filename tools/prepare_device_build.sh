@@ -2,6 +2,7 @@
 # Builds fusedamp here (a CPU host with nvcc 13.0) for the lent GPU's image, so that gpu_check.sh
 # spends its device time on tests instead of a ~200 s build: a venv with the device's Python 3.12
 # and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
+# every CPU kernel build (FUSEDAMP_CPU_ISAS=all: the device's CPU is not this one),
 # debug info stripped (the device tool carries at most 64 MiB), into .device_build/ (ignored by
 # git) with a manifest of Python, torch, archs and a digest of the sources (tools/device_build.py).
 #
@@ -47,7 +48,7 @@ cp fusedamp/*.py "$STAGING/fusedamp/"
 for package in fusedamp/*/; do
   mkdir -p "$STAGING/$package" && cp "$package"*.py "$STAGING/$package"
 done
-(cd "$STAGING" && FUSEDAMP_CUDA=1 TORCH_CUDA_ARCH_LIST="$ARCHS" "$VENV/bin/python" setup.py --quiet build_ext --inplace)
+(cd "$STAGING" && FUSEDAMP_CUDA=1 FUSEDAMP_CPU_ISAS=all TORCH_CUDA_ARCH_LIST="$ARCHS" "$VENV/bin/python" setup.py --quiet build_ext --inplace)
 
 rm -rf "$FOLDER"
 mkdir -p "$FOLDER"
