@@ -1,12 +1,16 @@
 """The headline table of a results file, as Markdown: what README.md and docs/performance.md
 show, rendered from the JSON so that every figure there comes from a committed run.
 
-    python -m benchmarks.summary benchmarks/results/cpu-avx512.json            # the full table
-    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --short    # README's rows
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json                # the steps
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --short        # README's rows
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table host   # host cost
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table bound  # L2 vs memory
 
-Each row is one fusedamp step at the given thread count: its median time, and for each peer
-the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in brackets, the 10th-90th
-percentile of the per-round ratios where the module kept them.
+``steps``: one fusedamp step per row at the given thread count, its median time, and for each
+peer the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in brackets, the
+10th-90th percentile of the per-round ratios where the module kept them. ``host``: the time of a
+step over tiny params, fusedamp's over torch's (below 1x: fusedamp is faster). ``bound``: an
+AdamW step's time per element with its data in L2 and from memory.
 """
 
 from __future__ import annotations
@@ -97,22 +101,66 @@ def table(results: dict[str, Any], threads: int = 2, short: bool = False) -> lis
     return lines
 
 
-def marker(path: str, threads: int = 2, short: bool = False) -> str:
+HOST_ROWS = [
+    ("FusedAdamW vs `AdamW(fused=True)`", "AdamW step"),
+    ("FusedAdamW + `fusedamp.GradScaler` vs + `torch.amp.GradScaler`", "AdamW step", " + GradScaler"),
+    ("FusedSGD vs `SGD(fused=True)`", "SGD step"),
+    ("FusedSGD + `fusedamp.GradScaler` vs + `torch.amp.GradScaler`", "SGD step", " + GradScaler"),
+]
+
+
+def host_table(results: dict[str, Any], threads: int = 1) -> list[str]:
+    """bench_host's rows: fusedamp's time over torch's for a step over 200 and 2000 tiny params."""
+    rows = results["rows"]
+    lines = ["| step over params of 128 elements | 200 params | 2000 params |", "| --- | --- | --- |"]
+    for label, step, *suffix in HOST_ROWS:
+        cells = []
+        for count in (200, 2000):
+            case = f"{step}, {count} params of 128{''.join(suffix)}, {threads} threads"
+            row = _find(rows, "host", case, "fusedamp")
+            cells.append("-" if row is None else f"{_ratio(row['time vs torch'])} ({row['round ratios']})")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines
+
+
+def bound_table(results: dict[str, Any]) -> list[str]:
+    """bench_bound's rows: ns per element of an AdamW step on fp32 params, in L2 and from memory."""
+    lines = ["| AdamW step, fp32 params | threads | in L2 | from memory |", "| --- | --- | --- | --- |"]
+    for row in results["rows"]:
+        if row["bench"] == "bound":
+            l2, memory = row["in L2 ns"], row["from memory ns"]
+            lines.append(f"| {row['impl']} | {row['threads']} | {l2:.2f} ns | {memory:.2f} ns |")
+    return lines
+
+
+def render(
+    results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
+) -> list[str]:
+    """The table ``kind`` (steps, host or bound) of ``results``."""
+    if kind == "host":
+        return host_table(results, threads or 1)
+    if kind == "bound":
+        return bound_table(results)
+    return table(results, threads or 2, short)
+
+
+def marker(path: str, kind: str = "steps", threads: int | None = None, short: bool = False) -> str:
     """The comment line above a rendered table: the command that renders it again (tests/test_docs.py
     checks every table under such a line against its JSON)."""
-    options = (f" --threads {threads}" if threads != 2 else "") + (" --short" if short else "")
-    return f"<!-- python -m benchmarks.summary {path}{options} -->"
+    options = (f" --table {kind}" if kind != "steps" else "") + (f" --threads {threads}" if threads else "")
+    return f"<!-- python -m benchmarks.summary {path}{options}{' --short' if short else ''} -->"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a benchmarks/results/<platform>.json")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", choices=("steps", "host", "bound"), default="steps")
+    parser.add_argument("--threads", type=int, default=None, help="default: 2 for steps, 1 for host")
     parser.add_argument("--short", action="store_true", help="README's rows only")
     args = parser.parse_args(argv)
     results = json.loads(Path(args.results).read_text())
-    print(marker(args.results, args.threads, args.short))
-    print("\n".join(table(results, args.threads, args.short)))
+    print(marker(args.results, args.table, args.threads, args.short))
+    print("\n".join(render(results, args.table, args.threads, args.short)))
 
 
 if __name__ == "__main__":

@@ -121,4 +121,9 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     assert all(stages[name]["status"] == "passed" for name in ("sanitizer_memcheck", "sanitizer_initcheck"))
     assert logs["sanitizer.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
     assert "bench_gemm" in logs["benchmarks.log"]
+    # The benchmarks' results file, named for the platform, and no chart.
+    assert [path.name for path in out.glob("*.json") if path.name != "summary.json"] == [
+        json.loads(next(out.glob("cpu-*.json")).read_text())["platform"] + ".json"
+    ]
+    assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
