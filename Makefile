@@ -35,7 +35,7 @@ bench: build
 	$(PY) -m benchmarks
 
 lint: setup
-	$(PY) -m ruff check fusedamp tests benchmarks setup.py
+	$(PY) -m ruff check fusedamp tests benchmarks tools setup.py
 
 clean:
 	rm -rf build fusedamp/_C*.so fusedamp/_build_meta.py

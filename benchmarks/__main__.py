@@ -2,8 +2,11 @@
 
 Runs each ``benchmarks/bench_*.py`` module in its own process as
 ``python -m benchmarks.bench_<name> --json ROWS.json``, then prints one table with the ratios
-against the peers, writes the combined JSON and a PNG comparing the achieved GB/s and TFLOP/s
-with the ceilings the modules measured in the same run.
+against the peers and writes the combined JSON to ``benchmarks/results/<platform>.json``
+(``cpu-avx512``, ``cpu-avx2``, ``cuda-h200``, ...), replacing the previous run's. The JSON
+records the date, commit, CPU or GPU, torch, threads and command. ``--plot`` also draws the
+achieved GB/s and TFLOP/s against the ceilings measured in the same run, into ``out/`` (ignored
+by git): charts are drawn on the reader's machine, not committed.
 
 Contract for a ``bench_*.py`` module
 ------------------------------------
@@ -237,14 +240,70 @@ def plot_rows(rows: list[dict[str, Any]], path: str, title: str) -> bool:
     return True
 
 
-def machine_tag() -> str:
-    """A file-name-safe name of what ran the benchmarks: the GPU when there is one, else the CPU
-    and the vector ISA torch uses on it (an AVX2 and an AVX-512 machine give different files)."""
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def platform_name() -> str:
+    """The results file's name: ``cuda-<gpu>`` when there is a GPU (``cuda-h200``), else
+    ``cpu-<isa>`` with the ISA build of fusedamp's CPU kernels that runs (``cpu-avx512``,
+    ``cpu-avx2``; ``FUSEDAMP_CPU_ISA=avx2`` picks the AVX2 build on an AVX-512 machine).
+    Non-x86 CPUs get their architecture too (``cpu-aarch64-baseline``)."""
     if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-    else:
-        name = f"cpu-{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+        return "cuda-" + _slug(torch.cuda.get_device_name().removeprefix("NVIDIA "))
+    try:
+        import fusedamp
+
+        isa = fusedamp.build_info()["cpu_isa"]
+    except Exception:  # the name must not depend on the extension importing
+        isa = torch.backends.cpu.get_cpu_capability()
+    machine = platform.machine().lower()
+    prefix = "cpu" if machine in ("x86_64", "amd64") else f"cpu-{machine}"
+    return f"{prefix}-{_slug(isa)}"
+
+
+def _command_output(*args: str) -> str | None:
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=PACKAGE_DIR)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+def _processor() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(argv: list[str]) -> dict[str, Any]:
+    """The conditions of a run, saved with its rows: what performance pages quote as a header."""
+    try:
+        import fusedamp
+
+        build: Any = fusedamp.build_info()
+    except Exception as error:
+        build = repr(error)
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _command_output("git", "describe", "--always", "--dirty", "--abbrev=7"),
+        "processor": _processor(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["python -m benchmarks", *argv]),
+        "build_info": build,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,11 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="",
                         help="comma-separated module names (bench_unscale or unscale) to run")
+    parser.add_argument("--results-dir", default=os.path.join(PACKAGE_DIR, "results"), metavar="DIR",
+                        help="where <platform>.json is written, replacing the last run's "
+                        "(default: benchmarks/results)")
     parser.add_argument("--json", default=None, metavar="FILE",
-                        help="combined results (default: benchmarks/results/bench-<machine>.json)")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="GB/s and TFLOP/s vs ceilings (default: next to the JSON)")
+                        help="write the combined results here instead of DIR/<platform>.json")
+    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="FILE.png",
+                        help="also draw GB/s and TFLOP/s against the ceilings (needs matplotlib; "
+                        "default file: out/<platform>.png, ignored by git)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per module")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
 
     modules = discover()
@@ -286,22 +350,25 @@ def main(argv: list[str] | None = None) -> int:
     if targets:
         print("\ntargets:\n" + "\n".join(targets))
 
-    tag = machine_tag()
-    json_path = args.json or os.path.join(PACKAGE_DIR, "results", f"bench-{tag}.json")
-    plot_path = args.plot or os.path.splitext(json_path)[0] + ".png"
+    name = platform_name()
+    json_path = args.json or os.path.join(args.results_dir, f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as out:
         json.dump({
-            "machine": tag, "torch": torch.__version__, "python": platform.python_version(),
+            "platform": name, "environment": environment(argv),
             "modules": [{"module": r.module, "status": r.status, "seconds": r.seconds,
                          "message": r.message, "targets": r.targets} for r in runs],
             "rows": rows,
         }, out, indent=1, default=str)
+        out.write("\n")
     print(f"\nresults written to {json_path}")
-    if plot_rows(rows, plot_path, f"fusedamp microbenchmarks on {tag}"):
-        print(f"plot written to {plot_path}")
-    elif rows:
-        print("no plot: it needs matplotlib (`pip install matplotlib`) and rows with gbps or tflops")
+    if args.plot is not None:
+        plot_path = args.plot or os.path.join(os.path.dirname(PACKAGE_DIR), "out", f"{name}.png")
+        os.makedirs(os.path.dirname(os.path.abspath(plot_path)), exist_ok=True)
+        if plot_rows(rows, plot_path, f"fusedamp microbenchmarks on {name}"):
+            print(f"plot written to {plot_path}")
+        else:
+            print("no plot: it needs matplotlib (`pip install matplotlib`) and rows with gbps or tflops")
     return 1 if any(run.status == "failed" for run in runs) else 0
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -862,3 +863,24 @@ def test_runner_main_exit_status(monkeypatch, bench_package, tmp_path, capsys):
     with pytest.raises(SystemExit):
         runner.main(["--only", "nothing"])
     assert "no such benchmark modules" in capsys.readouterr().err
+
+
+def test_runner_replaces_one_results_file_per_platform_and_plots_only_when_asked(
+    monkeypatch, bench_package, tmp_path
+):
+    monkeypatch.setattr(runner, "PACKAGE_DIR", bench_package)
+    monkeypatch.setattr(runner, "discover", lambda: ["bench_alpha"])
+    monkeypatch.setattr(
+        runner, "run_module", lambda name, timeout: runner_run_module(name, bench_package, timeout=60)
+    )
+    results = tmp_path / "results"
+    for _ in range(2):
+        assert runner.main(["--results-dir", str(results)]) == 0
+    name = runner.platform_name()
+    assert re.fullmatch(r"(cpu|cuda)-[a-z0-9-]+", name)
+    assert sorted(path.name for path in results.iterdir()) == [f"{name}.json"]
+    saved = json.loads((results / f"{name}.json").read_text())
+    assert saved["platform"] == name and saved["environment"]["command"].startswith("python -m benchmarks")
+    assert {"date", "commit", "processor", "threads", "torch"} <= set(saved["environment"])
+    assert not list(tmp_path.rglob("*.png"))
+

@@ -1,5 +1,5 @@
 """The CUDA gemm kernels against a float64 reference (skipped without a GPU; run by
-benchmarks/gpu_check.sh): every backend, shape, layout, dtype and epilogue."""
+tools/gpu_check.sh): every backend, shape, layout, dtype and epilogue."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh on CPU, so that the script for a lent GPU cannot rot unseen: its dry run
+"""tools/gpu_check.sh on CPU, so that the script for a lent GPU cannot rot unseen: its dry run
 (every stage's Python entry point as the script calls it, from a copy of the checkout with no
 PYTHONPATH, as on the device; the tests and the sanitizer subset skip without a GPU), and the
 matching that decides whether it installs the build carried from a CPU host."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import device_build
+from tools import device_build
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = "8.0;9.0a"
@@ -68,7 +68,7 @@ def test_source_digest_covers_every_file_the_build_compiles() -> None:
 def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     checkout = tmp_path / "checkout"
     ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
-    for name in ("benchmarks", "csrc", "fusedamp", "tests"):
+    for name in ("benchmarks", "csrc", "fusedamp", "tests", "tools"):
         shutil.copytree(ROOT / name, checkout / name, ignore=ignore)
     for name in ("setup.py", "pyproject.toml"):
         shutil.copy2(ROOT / name, checkout / name)
@@ -92,7 +92,7 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         CUDA_VISIBLE_DEVICES="",
     )
     result = subprocess.run(
-        ["bash", str(checkout / "benchmarks" / "gpu_check.sh")],
+        ["bash", str(checkout / "tools" / "gpu_check.sh")],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -121,4 +121,9 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     assert all(stages[name]["status"] == "passed" for name in ("sanitizer_memcheck", "sanitizer_initcheck"))
     assert logs["sanitizer.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
     assert "bench_gemm" in logs["benchmarks.log"]
+    # The benchmarks' results file, named for the platform, and no chart.
+    assert [path.name for path in out.glob("*.json") if path.name != "summary.json"] == [
+        json.loads(next(out.glob("cpu-*.json")).read_text())["platform"] + ".json"
+    ]
+    assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())

@@ -1,0 +1,167 @@
+"""The headline table of a results file, as Markdown: what README.md and docs/performance.md
+show, rendered from the JSON so that every figure there comes from a committed run.
+
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json                # the steps
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --short        # README's rows
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table host   # host cost
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table bound  # L2 vs memory
+
+``steps``: one fusedamp step per row at the given thread count, its median time, and for each
+peer the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in brackets, the
+10th-90th percentile of the per-round ratios where the module kept them. ``host``: the time of a
+step over tiny params, fusedamp's over torch's (below 1x: fusedamp is faster). ``bound``: an
+AdamW step's time per element with its data in L2 and from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+# Peers by their key in a row's "speedup", with the name the table gives them.
+TORCH_FUSED = ("torch fused", "`AdamW(fused=True)`")
+O2_RECIPE = ("torch O2 recipe", "torch's O2 recipe")
+O2_FLAT = ("torch O2 recipe, flat", "the O2 recipe on flat buffers")
+FP32_MOMENTS = ("fusedamp", "fusedamp's fp32-moment step")
+FP32_MASTER = ("fusedamp", "fusedamp's fp32-master step")
+EIGHT_BIT = [
+    ("bitsandbytes AdamW8bit", "bitsandbytes `AdamW8bit`"),
+    ("torchao AdamW8bit", "torchao `AdamW8bit`"),
+]
+# (label, bench, dtype, fusedamp's impl, peers)
+ROWS = [
+    ("AdamW, fp32 params", "adamw", "fp32", "fusedamp", [TORCH_FUSED, ("deepspeed", "DeepSpeedCPUAdam")]),
+    ("AdamW, bf16 params + fp32 master", "adamw", "bf16", "fusedamp", [O2_RECIPE, O2_FLAT]),
+    ('AdamW, bf16 params, `master_weights="remainder"`', "adamw", "bf16", "fusedamp remainder",
+     [O2_RECIPE, O2_FLAT]),
+    ('AdamW, fp32 params, `moments="int8"`', "adamw", "fp32", "fusedamp int8 moments",
+     [FP32_MOMENTS, TORCH_FUSED, *EIGHT_BIT]),
+    ('AdamW, fp32 params, `moments="bf16"`', "adamw", "fp32", "fusedamp bf16 moments",
+     [FP32_MOMENTS, TORCH_FUSED]),
+    ("AdamW, bf16 params, remainder + int8 moments", "adamw", "bf16", "fusedamp remainder int8",
+     [FP32_MASTER, O2_FLAT]),
+    ("AdamW, bf16 params, stochastic + int8 moments", "adamw", "bf16", "fusedamp stochastic int8",
+     [FP32_MASTER, O2_FLAT]),
+    ("SGD momentum, fp32 params", "sgd", "fp32", "fusedamp", [("torch fused", "`SGD(fused=True)`")]),
+    ("SGD momentum, bf16 params + fp32 master", "sgd", "bf16", "fusedamp", [O2_RECIPE, O2_FLAT]),
+]
+SHORT = {0, 1, 2, 3, 5, 7}  # README's rows
+UNSCALE = [
+    ("`unscale_`", "fusedamp unscale_"),
+    ("read-only check (the fused optimizer path)", "fusedamp check (read-only)"),
+]
+HEADER = "| step | fusedamp | peer's time / fusedamp's: median (10th-90th percentile of rounds) |"
+
+
+def _find(rows: list[dict[str, Any]], bench: str, case: str, impl: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["bench"] == bench and r["case"] == case and r["impl"] == impl), None)
+
+
+def _number(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _ratio(value: float) -> str:
+    return _number(value) + "x"
+
+
+def _spread(text: str) -> str:
+    """A module's per-round range ("23.76-29.69") at the precision of its median."""
+    low, high = (float(part) for part in text.split("-"))
+    return f"{_number(low)}-{_number(high)}"
+
+
+def table(results: dict[str, Any], threads: int = 2, short: bool = False) -> list[str]:
+    """The Markdown table's lines (header and separator included) for ``threads``."""
+    rows = results["rows"]
+    lines = [HEADER, "| --- | --- | --- |"]
+    for index, (label, bench, dtype, impl, peers) in enumerate(ROWS):
+        if short and index not in SHORT:
+            continue
+        row = _find(rows, bench, f"{dtype}, {threads} threads", impl)
+        if row is None:
+            continue
+        spread = row.get("speedup per round", {})
+        cells = [
+            f"{_ratio(row['speedup'][key])} {name}" + (f" ({_spread(spread[key])})" if key in spread else "")
+            for key, name in peers
+            if key in row.get("speedup", {})
+        ]
+        lines.append(f"| {label} | {row['time_ms']:.1f} ms | {', '.join(cells)} |")
+    if not short:
+        for label, impl in UNSCALE:
+            cases = [f"{dtype}, {threads} threads" for dtype in ("fp32", "fp16", "bf16")]
+            found = [_find(rows, "unscale", case, impl) for case in cases]
+            if all(found):
+                times = " / ".join(f"{r['time_ms']:.1f}" for r in found)
+                ratios = " / ".join(_ratio(r["vs torch unscale"]) for r in found)
+                lines.append(f"| {label}, fp32 / fp16 / bf16 grads | {times} ms | {ratios} torch's unscale |")
+    return lines
+
+
+HOST_ROWS = [
+    ("FusedAdamW vs `AdamW(fused=True)`", "AdamW step"),
+    ("FusedAdamW + `fusedamp.GradScaler` vs + `torch.amp.GradScaler`", "AdamW step", " + GradScaler"),
+    ("FusedSGD vs `SGD(fused=True)`", "SGD step"),
+    ("FusedSGD + `fusedamp.GradScaler` vs + `torch.amp.GradScaler`", "SGD step", " + GradScaler"),
+]
+
+
+def host_table(results: dict[str, Any], threads: int = 1) -> list[str]:
+    """bench_host's rows: fusedamp's time over torch's for a step over 200 and 2000 tiny params."""
+    rows = results["rows"]
+    lines = ["| step over params of 128 elements | 200 params | 2000 params |", "| --- | --- | --- |"]
+    for label, step, *suffix in HOST_ROWS:
+        cells = []
+        for count in (200, 2000):
+            case = f"{step}, {count} params of 128{''.join(suffix)}, {threads} threads"
+            row = _find(rows, "host", case, "fusedamp")
+            cells.append("-" if row is None else f"{_ratio(row['time vs torch'])} ({row['round ratios']})")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines
+
+
+def bound_table(results: dict[str, Any]) -> list[str]:
+    """bench_bound's rows: ns per element of an AdamW step on fp32 params, in L2 and from memory."""
+    lines = ["| AdamW step, fp32 params | threads | in L2 | from memory |", "| --- | --- | --- | --- |"]
+    for row in results["rows"]:
+        if row["bench"] == "bound":
+            l2, memory = row["in L2 ns"], row["from memory ns"]
+            lines.append(f"| {row['impl']} | {row['threads']} | {l2:.2f} ns | {memory:.2f} ns |")
+    return lines
+
+
+def render(
+    results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
+) -> list[str]:
+    """The table ``kind`` (steps, host or bound) of ``results``."""
+    if kind == "host":
+        return host_table(results, threads or 1)
+    if kind == "bound":
+        return bound_table(results)
+    return table(results, threads or 2, short)
+
+
+def marker(path: str, kind: str = "steps", threads: int | None = None, short: bool = False) -> str:
+    """The comment line above a rendered table: the command that renders it again (tests/test_docs.py
+    checks every table under such a line against its JSON)."""
+    options = (f" --table {kind}" if kind != "steps" else "") + (f" --threads {threads}" if threads else "")
+    return f"<!-- python -m benchmarks.summary {path}{options}{' --short' if short else ''} -->"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", help="a benchmarks/results/<platform>.json")
+    parser.add_argument("--table", choices=("steps", "host", "bound"), default="steps")
+    parser.add_argument("--threads", type=int, default=None, help="default: 2 for steps, 1 for host")
+    parser.add_argument("--short", action="store_true", help="README's rows only")
+    args = parser.parse_args(argv)
+    results = json.loads(Path(args.results).read_text())
+    print(marker(args.results, args.table, args.threads, args.short))
+    print("\n".join(render(results, args.table, args.threads, args.short)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Developer tools: the GPU check and its carried build, the ptxas check, the sanitizer subset."""

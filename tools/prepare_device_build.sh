@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds fusedamp here (a CPU host with nvcc 13.0) for the lent GPU's image, so that gpu_check.sh
+# spends its device time on tests instead of a ~200 s build: a venv with the device's Python 3.12
+# and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
+# every CPU kernel build (FUSEDAMP_CPU_ISAS=all: the device's CPU is not this one),
+# debug info stripped (the device tool carries at most 64 MiB), into .device_build/ (ignored by
+# git) with a manifest of Python, torch, archs and a digest of the sources (tools/device_build.py).
+#
+#   bash tools/prepare_device_build.sh    # then commit, and call the device with:
+#   run(command="bash tools/gpu_check.sh", carry=[".device_build"], timeout_s=360)
+#
+# gpu_check.sh installs the carried build only when the device's Python, torch and archs and the
+# checkout's sources match the manifest, and builds there otherwise (the log says why). Rebuild here
+# after any change under csrc/, setup.py or fusedamp/_cuda_archs.py.
+#
+# Measured here (2 cores shared with four other builds, load ~8): the venv and torch install
+# 127 s the first time (seconds after); the build 33 min wall cold under nice (6.9 min of CPU),
+# less with ccache and ninja warm (only changed sources recompile: build/device-src is kept); the
+# stripped _C is 21.4 MiB. Stage caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=330
+# by default): carried build installed in ~10 s (else the build, up to 300 s, leaves little
+# else), CUDA tests 100 s, GEMM tests 50 s, memcheck 50 s, initcheck 50 s, benchmarks 70 s. These
+# are caps, not measurements (no GPU run yet): at most 330 s a run, so a first run after a
+# machine start of ~3 min and a warm rerun fit in 15 minutes together.
+# Environment: DEVICE_VENV (default /work/venvs/device-py312), DEVICE_PYTHON (an interpreter of
+# the device's Python version, default pyenv's 3.12), DEVICE_TORCH (2.11.0), DEVICE_BUILD (.device_build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV="${DEVICE_VENV:-/work/venvs/device-py312}"
+TORCH="${DEVICE_TORCH:-2.11.0}"
+FOLDER="${DEVICE_BUILD:-$ROOT/.device_build}"
+ARCHS="8.0;9.0a"
+STAGING="$ROOT/build/device-src"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  PY="${DEVICE_PYTHON:-$(pyenv prefix 3.12 2> /dev/null)/bin/python3}"
+  [[ -x "$PY" ]] || { echo "prepare_device_build: no Python 3.12 (set DEVICE_PYTHON)" >&2; exit 1; }
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install --quiet "torch==$TORCH" ninja setuptools wheel
+
+# The build writes fusedamp/_C*.so and fusedamp/_build_meta.py in place: build a copy of the
+# sources, kept between runs so that ninja and ccache rebuild only what changed.
+mkdir -p "$STAGING/fusedamp"
+rm -rf "$STAGING/csrc"
+cp -r csrc setup.py pyproject.toml "$STAGING/"
+cp fusedamp/*.py "$STAGING/fusedamp/"
+for package in fusedamp/*/; do
+  mkdir -p "$STAGING/$package" && cp "$package"*.py "$STAGING/$package"
+done
+(cd "$STAGING" && FUSEDAMP_CUDA=1 FUSEDAMP_CPU_ISAS=all TORCH_CUDA_ARCH_LIST="$ARCHS" "$VENV/bin/python" setup.py --quiet build_ext --inplace)
+
+rm -rf "$FOLDER"
+mkdir -p "$FOLDER"
+for library in "$STAGING"/fusedamp/_C.cpython-*.so; do
+  strip --strip-debug -o "$FOLDER/$(basename "$library")" "$library"
+done
+cp "$STAGING/fusedamp/_build_meta.py" "$FOLDER/"
+# The digest of the sources that were built (the staging copy), whatever changed here since.
+"$VENV/bin/python" -m tools.device_build manifest --folder "$FOLDER" --archs "$ARCHS" --root "$STAGING"
+du -sh "$FOLDER"/*
