@@ -126,9 +126,9 @@ def sharded_net() -> MixedPrecisionNet:
 
 
 def resume_sharded(model: MixedPrecisionNet, opt: torch.optim.Optimizer, rows: slice) -> bool:
-    """Each rank's optimizer state_dict (its shards' steps, moments and masters: plain tensors)
-    through torch.save / torch.load(weights_only=True) into a fresh sharded model and optimizer;
-    whether one more step of both gives bitwise the same local shards."""
+    """Each rank's optimizer state_dict (steps as plain tensors; moments and masters as DTensors
+    of this rank's shards) through torch.save / torch.load(weights_only=True) into a fresh
+    sharded model and optimizer; whether one more step of both gives bitwise the same local shards."""
     buffer = io.BytesIO()
     torch.save(opt.state_dict(), buffer)
     resumed = sharded_net()

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from fusedamp import _dtensor
 from fusedamp._layout import has_kernel, is_dense, like, real_view
-from fusedamp.optim import _codecs
+from fusedamp.optim import _codecs, _dtensor_state
 from fusedamp.optim._clipping import check_and_norm, clip_coefficient
 from fusedamp.optim._masters import (
     HALF_DTYPES,
@@ -301,6 +301,27 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             return join_bf16_remainder(param, state[REMAINDER_KEY])
         return param.detach().float()
 
+    def _indexed_params(self) -> list[Tensor]:
+        """The params in the order state_dict() numbers them."""
+        return list(chain.from_iterable(group["params"] for group in self.param_groups))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state_dict, with the state of DTensor params as DTensors.
+
+        The state of a DTensor param (FSDP2, tensor parallel) is kept as plain tensors made like
+        its local shard; here every per-element entry (moments, masters, remainders) becomes a
+        DTensor with the param's mesh, placements and global shape, as torch.optim holds it, and
+        the float32 block scales of 8-bit moments become a uint8 DTensor of each element's scale
+        exponent (see _dtensor_state.py), so that torch.distributed.checkpoint saves and reshards
+        it; ``step`` stays a plain tensor. The state of plain params is as the optimizer holds it.
+        """
+        state_dict = super().state_dict()
+        packed = state_dict["state"]
+        for index, param in enumerate(self._indexed_params()):
+            if _dtensor.is_dtensor(param) and index in packed:
+                packed[index] = _dtensor_state.dtensor_entries(packed[index], param, f"param {index}")
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict of this class or of the matching ``torch.optim`` optimizer.
 
@@ -308,7 +329,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         steps as float32, moments as float32 (float64 / complex params: their own dtype), fp32
         masters as float32, remainders as int16. Missing entries (masters of a torch.optim
         state_dict) are made from the params at the next step.
+
+        The state of a DTensor param must be DTensors on the param's mesh, placements and shape
+        (this rank's shard is taken); per-element scale exponents of 8-bit moments are made into
+        the local blocks' codes and scales (see state_dict). A plain tensor for a DTensor param
+        (the rank-local form) is refused with a ValueError.
         """
+        state_dict = self._local_state_dict(state_dict)
         super().load_state_dict(state_dict)
         self._plan = self._checked_plan = None
         # torch casts every floating state tensor to its param's dtype, which would round the
@@ -345,6 +372,21 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             moment_keys = tuple(key for key in saved if key not in (MASTER_KEY, REMAINDER_KEY))
             _codecs.convert(state, moment_keys, group["moments"], state_dtype(param.dtype))
 
+    def _local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each param's state in the local form the optimizer keeps (see
+        _dtensor_state.local_entries); a new dict, ``state_dict`` is left as it is."""
+        saved_ids = list(chain.from_iterable(group["params"] for group in state_dict["param_groups"]))
+        params = self._indexed_params()
+        if len(saved_ids) != len(params):
+            return state_dict  # torch's load_state_dict says what does not match
+        state = dict(state_dict["state"])
+        for index, (saved_id, param) in enumerate(zip(saved_ids, params, strict=True)):
+            saved = state.get(saved_id)
+            if saved is not None:
+                where = f"param {index} (saved as {saved_id!r})"
+                state[saved_id] = _dtensor_state.local_entries(saved, param, where)
+        return {**state_dict, "state": state}
+
     def state_bytes(self) -> dict[str, int]:
         """The bytes the optimizer state holds, measured from its tensors, by kind: ``masters``
         (fp32 masters, bf16 remainders), ``moments`` (moments and momentum buffers, in their
@@ -380,15 +422,20 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())
         """
         native = self.state_dict()
+        params = self._indexed_params()
         exported: dict[Any, dict[str, Any]] = {}
         for index, saved in native["state"].items():
+            param = params[index]
             entry: dict[str, Any] = {}
             for key, value in saved.items():
                 if key in (MASTER_KEY, REMAINDER_KEY) or key.endswith(_codecs.SCALES_SUFFIX):
                     continue
                 coded = isinstance(value, Tensor) and value.dtype in (torch.uint8, torch.bfloat16)
                 if coded and key != "step":
-                    value = _codecs.float_value(saved, key)
+                    # Decoded from the state as kept (a DTensor param's: its local shard's).
+                    value = _codecs.float_value(self.state[param], key)
+                    if _dtensor.is_dtensor(param):
+                        value = _dtensor_state.dtensor_entries({key: value}, param, f"param {index}")[key]
                 entry[key] = value
             exported[index] = entry
         return {"state": exported, "param_groups": native["param_groups"]}

@@ -40,6 +40,8 @@ class FusedAdamW(FusedOptimizer):
       than their resolution are kept on average and long runs track fp32 moments. float64 and
       complex params keep torch's own step and need ``"fp32"``. ``state_bytes()`` measures what
       the state holds; ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
+      ``state_dict()`` holds the state of DTensor (FSDP2) params as DTensors, the 8-bit scales
+      as per-element exponents, for torch.distributed.checkpoint (docs/distributed-checkpoint.md).
     - ``seed``: the seed of stochastic rounding (an int, kept in the param groups, so it is
       part of ``state_dict()``).
     - ``max_grad_norm``: clip the grads to this global L2 norm (over every param of the
