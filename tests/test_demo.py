@@ -236,7 +236,7 @@ def test_optimizer_state_is_split_by_key_and_dtype_for_any_optimizer():
 def test_memory_table_per_mode_from_the_tensors():
     data = synthetic_fashion_mnist(64, 16)
     config = train.RunConfig(width=4, epochs=1, batch_size=32, diag_every=0)
-    modes = ["fp32", "torch-amp", "fusedamp", "fusedamp-o2"]
+    modes = ["fp32", "torch-amp", "fusedamp", "fusedamp-o2", "fusedamp-lowmem"]
     results = train.run_modes(modes, data, config, torch.device("cpu"), torch.bfloat16, io.StringIO())
     model = build_model("resnet18", width=4)
     values = sum(p.numel() for p in model.parameters())
@@ -253,8 +253,17 @@ def test_memory_table_per_mode_from_the_tensors():
     halves = values - norms  # BatchNorm stays fp32; everything else is bf16 with an fp32 master
     assert (o2.weights, o2.grads, o2.masters, o2.moments, o2.other) == (
         2 * halves + 4 * norms + buffers, 2 * halves + 4 * norms, 4 * halves, 8 * values, steps)
+    # Low memory: bf16 weights and grads as in O2, int16 remainders, int8 moments (1 byte a value
+    # and an fp32 scale per 256): half of fp32 AdamW's optimizer state, a third of O2's.
+    low = by_mode["fusedamp-lowmem"]
+    scales = sum(2 * 4 * -(-p.numel() // 256) for p in model.parameters())
+    assert (low.weights, low.grads, low.masters, low.moments, low.other) == (
+        o2.weights, o2.grads, 2 * halves, 2 * values + scales, steps)
+    assert low.optimizer < 0.51 * by_mode["fp32"].optimizer and low.optimizer < 0.34 * o2.optimizer
+    assert low.weights + low.grads + low.optimizer < 0.51 * (
+        by_mode["fp32"].weights + by_mode["fp32"].grads + by_mode["fp32"].optimizer)
     # bf16 activations: about half of fp32's (BatchNorm keeps some fp32 statistics).
-    for mode in ("torch-amp", "fusedamp", "fusedamp-o2"):
+    for mode in ("torch-amp", "fusedamp", "fusedamp-o2", "fusedamp-lowmem"):
         assert 0.4 < by_mode[mode].activations / by_mode["fp32"].activations < 0.75
     assert by_mode["torch-amp"].activations == by_mode["fusedamp"].activations
     assert all(m.total == m.weights + m.grads + m.optimizer + m.activations for m in by_mode.values())
@@ -575,7 +584,7 @@ def test_budget_chooses_the_largest_size_that_gets_the_steps(monkeypatch, capsys
     monkeypatch.setattr(budget, "measure", measure)
     config = train.RunConfig()
     data = synthetic_fashion_mnist(12000, 10)
-    modes = list(train.MODES)
+    modes = ["fp32", "torch-amp", "fusedamp", "fusedamp-o2"]  # the sizes above are worked out for four
     speeds = cli._choose_size(modes, data, config, torch.device("cpu"), torch.bfloat16, 100.0,
                               time.perf_counter() + 100.0, time.perf_counter() + 50.0, False, sizes)
     out = capsys.readouterr().out

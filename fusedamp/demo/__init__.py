@@ -5,13 +5,16 @@
     python -m fusedamp.demo --data-dir ~/fashion --model resnet50 --epochs 10 --plot amp.png
 
 Not part of the library (``import fusedamp`` does not load it). Modes (``--modes``,
-comma-separated; all four by default):
+comma-separated; all five by default):
 
 - ``fp32``: plain fp32 training, ``torch.optim.AdamW(fused=True)``;
 - ``torch-amp``: ``torch.autocast`` + ``torch.amp.GradScaler`` + ``torch.optim.AdamW(fused=True)``;
 - ``fusedamp``: ``fusedamp.autocast`` + ``fusedamp.GradScaler`` + ``fusedamp.FusedAdamW``;
 - ``fusedamp-o2``: the model itself in half precision (``fusedamp.half_model``, BatchNorm kept
-  fp32) + ``fusedamp.GradScaler`` + ``FusedAdamW`` with fp32 master weights.
+  fp32) + ``fusedamp.GradScaler`` + ``FusedAdamW`` with fp32 master weights;
+- ``fusedamp-lowmem``: the model in bf16 (BatchNorm kept fp32), ``FusedAdamW`` with bf16
+  remainder masters (an exact fp32 master for 2 bytes) and int8 moments: weights, grads and
+  optimizer state in half of fp32 training's bytes, the optimizer state a third of O2's.
 
 Every mode starts from the same weights and sees the batches in the same order; the modes take
 turns epoch by epoch, so a shared machine's load hits all of them alike. The header says what

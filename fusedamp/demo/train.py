@@ -39,7 +39,7 @@ __all__ = [
     "run_modes",
 ]
 
-MODES = ("fp32", "torch-amp", "fusedamp", "fusedamp-o2")
+MODES = ("fp32", "torch-amp", "fusedamp", "fusedamp-o2", "fusedamp-lowmem")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 EVAL_BATCH = 512
 BLOCKS_PER_EPOCH = 8  # at most; an epoch of fewer optimizer steps (of every mode) has fewer
@@ -229,6 +229,12 @@ def build_recipe(mode: str, model: nn.Module, device: torch.device, dtype: torch
         optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights=True,
                                write_unscaled_grads=False)
         return Recipe(model, optimizer, GradScaler(device.type), contextlib.nullcontext)
+    if mode == "fusedamp-lowmem":
+        # bf16 whatever the AMP dtype (remainders complete bf16 params only); bf16 needs no scaler.
+        half_model(model, torch.bfloat16, keep_norm_fp32=True)
+        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights="remainder",
+                               moments="int8", write_unscaled_grads=False)
+        return Recipe(model, optimizer, None, contextlib.nullcontext)
     raise ValueError(f"unknown mode {mode!r}; choose among {', '.join(MODES)}")
 
 
