@@ -9,9 +9,12 @@ peers, skipped when not installed):
 
 The task: 32,768 params, gradient = a fixed sign per element + noise * N(0, 1) (noise 0: a steady
 gradient), weight_decay=0, beta1=0.9; every config is a param group of one optimizer per
-contestant, all fed the same gradients. A moment stored with too little resolution loses the
-changes of (1 - beta2) of its distance to g^2 each step, so the second moment lags and the step
-grows as the run gets longer.
+contestant, all fed the same gradients. fp32 params move in proportion to lr (Adam's step does
+not depend on the gradients' scale), so fp32-param contestants run at lr=1e-3 only, the bf16-param
+modes also at lr=1e-5 (a step far below a bf16 ulp), and bitsandbytes' and torchao's AdamW8bit
+(about 25 ms a step per param group on a CPU) at the default beta2 = 0.999 only. A moment stored
+with too little resolution loses the changes of (1 - beta2) of its distance to g^2 each step, so
+the second moment lags and the step grows as the run gets longer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ BETA2S = (0.95, 0.999, 0.9999)
 LRS = (1e-3, 1e-5)
 NOISES = (0.0, 0.5, 3.0)
 CONFIGS = list(itertools.product(BETA2S, LRS, NOISES))
+# The configs an fp32-param contestant runs, and a peer (see the docstring).
+FP32_CONFIGS = [config for config in CONFIGS if config[1] == LRS[0]]
+PEER_CONFIGS = [config for config in FP32_CONFIGS if config[0] == 0.999]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,7 @@ class Contestant:
     dtype: torch.dtype
     build: Callable[[list[dict]], torch.optim.Optimizer]
     observed: Callable[[torch.optim.Optimizer, torch.Tensor], torch.Tensor]
+    peer: bool = False  # a peer library: runs PEER_CONFIGS
 
 
 def _param(opt: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
@@ -92,6 +99,7 @@ def contestants() -> list[Contestant]:
                 torch.float32,
                 lambda g: bnb.optim.AdamW8bit(g),
                 _param,
+                peer=True,
             )
         )
     except ImportError:
@@ -102,7 +110,11 @@ def contestants() -> list[Contestant]:
 
         found.append(
             Contestant(
-                f"torchao {torchao.__version__} AdamW8bit", torch.float32, lambda g: AdamW8bit(g), _param
+                f"torchao {torchao.__version__} AdamW8bit",
+                torch.float32,
+                lambda g: AdamW8bit(g),
+                _param,
+                peer=True,
             )
         )
     except ImportError:
@@ -118,25 +130,31 @@ def _start() -> torch.Tensor:
 def run(steps: int) -> dict:
     checkpoints = [c for c in CHECKPOINTS if c <= steps]
     entries = []
-    for contestant in contestants():
-        params = [torch.nn.Parameter(_start().to(contestant.dtype)) for _ in CONFIGS]
+    for index, contestant in enumerate(contestants()):
+        # The reference and the bf16-param modes run every config; fp32-param ones lr=1e-3's.
+        if contestant.peer:
+            configs = PEER_CONFIGS
+        else:
+            configs = CONFIGS if index == 0 or contestant.dtype != torch.float32 else FP32_CONFIGS
+        params = [torch.nn.Parameter(_start().to(contestant.dtype)) for _ in configs]
         opt = contestant.build(
             [
                 {"params": [p], "lr": lr, "betas": (0.9, beta2), "weight_decay": 0.0}
-                for p, (beta2, lr, _) in zip(params, CONFIGS, strict=True)
+                for p, (beta2, lr, _) in zip(params, configs, strict=True)
             ]
         )
         generator = torch.Generator().manual_seed(2)
         signs = torch.randint(0, 2, (NUMEL,), generator=generator).float() * 2 - 1
-        positions: dict[int, list[torch.Tensor]] = {}
+        positions: dict[tuple, dict[int, torch.Tensor]] = {config: {} for config in configs}
         began = time.perf_counter()
         for step in range(1, steps + 1):
             noise = torch.randn(NUMEL, generator=generator)
-            for param, (_, _, level) in zip(params, CONFIGS, strict=True):
+            for param, (_, _, level) in zip(params, configs, strict=True):
                 param.grad = (signs + level * noise).to(contestant.dtype)
             opt.step()
             if step in checkpoints:
-                positions[step] = [contestant.observed(opt, p).double().clone() for p in params]
+                for param, config in zip(params, configs, strict=True):
+                    positions[config][step] = contestant.observed(opt, param).double().clone()
         entries.append(
             {"name": contestant.name, "positions": positions, "seconds": time.perf_counter() - began}
         )
@@ -146,14 +164,14 @@ def run(steps: int) -> dict:
     results = []
     for entry in entries[1:]:
         rows = []
-        for index, (beta2, lr, level) in enumerate(CONFIGS):
+        for (beta2, lr, level), by_step in entry["positions"].items():
             ratios = {}
             for step in checkpoints:
-                ref = reference[step][index] - start
-                moved = entry["positions"][step][index] - start
+                ref = reference[(beta2, lr, level)][step] - start
+                moved = by_step[step] - start
                 ratios[step] = float((moved * ref).sum() / (ref * ref).sum())
             rows.append({"beta2": beta2, "lr": lr, "noise": level, "projection": ratios})
-        results.append({"name": entry["name"], "rows": rows})
+        results.append({"name": entry["name"], "seconds": entry["seconds"], "rows": rows})
     return {
         "checkpoints": checkpoints,
         "numel": NUMEL,
@@ -165,17 +183,23 @@ def run(steps: int) -> dict:
 
 def table(report: dict) -> str:
     """One row per (beta2, lr, noise), one column per contestant: the projection at the last
-    checkpoint, and the one farthest from 1 over all checkpoints."""
+    checkpoint, and the one farthest from 1 over all checkpoints ("-": not run)."""
     names = [r["name"] for r in report["results"]]
     last = report["checkpoints"][-1]
     lines = [
         f"| beta2 | lr | noise | {' | '.join(names)} |",
         "| --- | --- | --- |" + " --- |" * len(names),
     ]
-    for index, (beta2, lr, level) in enumerate(CONFIGS):
+    for beta2, lr, level in CONFIGS:
         cells = []
         for result in report["results"]:
-            projection = result["rows"][index]["projection"]
+            row = next(
+                (r for r in result["rows"] if (r["beta2"], r["lr"], r["noise"]) == (beta2, lr, level)), None
+            )
+            if row is None:
+                cells.append("-")
+                continue
+            projection = row["projection"]
             worst = max(projection.values(), key=lambda value: abs(value - 1.0))
             cells.append(f"{projection[last]:.3f} ({worst:.3f})")
         lines.append(f"| {beta2} | {lr:g} | {level} | {' | '.join(cells)} |")
