@@ -28,6 +28,7 @@ from conftest import needs_cuda
 from torch import Tensor, nn
 
 import fusedamp
+from fusedamp.optim import _offload
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("adamw", "sgd")
@@ -174,6 +175,69 @@ def assert_same(reference: nn.Module, opt: Any, offloaded: nn.Module, offloaded_
             assert not isinstance(value, Tensor) or value.device.type == "cpu"
 
 
+# --- asynchronous copies, simulated ----------------------------------------------------------
+
+
+class _Copy:
+    """A copy queued on a simulated stream: done when completed (by a wait, a later copy of the
+    same stream completing, or a fence)."""
+
+    def __init__(self, stream: list[_Copy], land: Callable[[], None]) -> None:
+        self.stream, self.land, self.done = stream, land, False
+        stream.append(self)
+
+    def complete(self) -> None:
+        while not self.done:  # a stream runs its copies in order
+            first = self.stream.pop(0)
+            first.land()
+            first.done = True
+
+
+class DeferredTransfers(_offload._Transfers):
+    """The transfers of a GPU, simulated on the CPU: a copy lands only when its event is waited
+    on (or, to the device, at the fence), and until then its destination holds NaN. A read of a
+    host buffer before its wait, a write of a host copy still being read by a copy to the device,
+    or a param read before the fence shows up as NaN in the results."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.cuda = device, False
+        self.d2h: list[_Copy] = []
+        self.h2d: list[_Copy] = []
+
+    def to_host(self, host: Tensor, source: Tensor, after: Any = None) -> Any:
+        self.wait(after)
+        value = source.detach().clone()  # the device runs the copy after the work queued so far
+        host.fill_(float("nan"))
+        return _Copy(self.d2h, lambda: host.copy_(value))
+
+    def to_device(self, target: Tensor, host: Tensor, after: Any = None) -> Any:
+        self.wait(after)
+        target.fill_(float("nan"))  # bumps the param's version when queued, as copy_ does
+
+        def land() -> None:
+            with torch.no_grad():
+                target.data.copy_(host)  # reads the host copy when the copy runs
+
+        return _Copy(self.h2d, land)
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        if event is not None:
+            event.complete()
+
+    def fence(self) -> None:
+        if self.h2d:
+            self.h2d[-1].complete()
+
+
+@pytest.fixture(params=["copies", "deferred"])
+def transfers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with plain copies, then with DeferredTransfers."""
+    if request.param == "deferred":
+        monkeypatch.setattr(_offload, "_Transfers", DeferredTransfers)
+    return request.param
+
+
 # --- every mode -----------------------------------------------------------------------------
 
 
@@ -182,7 +246,7 @@ def assert_same(reference: nn.Module, opt: Any, offloaded: nn.Module, offloaded_
 @pytest.mark.parametrize("mode", PARAM_MODES, ids=mode_id)
 @pytest.mark.parametrize("kind", KINDS)
 def test_offloaded_steps_are_bitwise_the_steps_without_offload(
-    kind: str, mode: tuple[torch.dtype, Any], moments: str, max_grad_norm: float | None
+    kind: str, mode: tuple[torch.dtype, Any], moments: str, max_grad_norm: float | None, transfers: str
 ) -> None:
     """Backward copies every grad through the hooks (none is copied again by step()); the clip
     norm is the one the optimizer without offload takes (0.05 clips every step here)."""
@@ -203,7 +267,7 @@ def test_offloaded_steps_are_bitwise_the_steps_without_offload(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_layouts_and_dtypes_torch_takes(kind: str) -> None:
+def test_layouts_and_dtypes_torch_takes(kind: str, transfers: str) -> None:
     """channels_last and gapped params (a host copy in the layout the kernels step), float64 and
     complex params (torch's ops and real views), a grad in another order than its param, an fp32
     grad for a bf16 param, a param without a grad: as without offload."""
@@ -267,7 +331,7 @@ SCALERS = {
 @pytest.mark.parametrize("clip", ["fused", "by hand", None])
 @pytest.mark.parametrize("scaler", list(SCALERS))
 @pytest.mark.parametrize("kind", KINDS)
-def test_grad_scalers_unscale_skip_and_clip(kind: str, scaler: str, clip: str | None) -> None:
+def test_grad_scalers_unscale_skip_and_clip(kind: str, scaler: str, clip: str | None, transfers: str) -> None:
     """Half params with fp32 masters (fp16; bf16 for torch's scaler, whose unscale_ refuses fp16
     grads), an inf at step 2: the step is skipped (params, state and step counts untouched) and
     the scale backs off, as without offload; clipping inside the step (max_grad_norm, its norm
@@ -291,7 +355,7 @@ def test_grad_scalers_unscale_skip_and_clip(kind: str, scaler: str, clip: str | 
 
 @pytest.mark.parametrize("no_sync", [False, True], ids=["every backward", "no_sync"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradient_accumulation(kind: str, no_sync: bool) -> None:
+def test_gradient_accumulation(kind: str, no_sync: bool, transfers: str) -> None:
     """Three micro-batches per step: the grads add up on the device; without marking, each
     backward's grads go to the host and the last copy (the sum) is stepped; inside
     offload_no_sync() the first two backwards copy nothing."""
@@ -304,7 +368,7 @@ def test_gradient_accumulation(kind: str, no_sync: bool) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_params_without_grads_and_zeroed_grads(kind: str) -> None:
+def test_params_without_grads_and_zeroed_grads(kind: str, transfers: str) -> None:
     """A param backward does not reach has no grad and is not stepped; zero_grad(set_to_none=
     False) keeps zero grads, stepped (weight decay, momentum) as torch steps them."""
     reference, opt, offloaded, offloaded_opt = pair(kind)
@@ -330,7 +394,7 @@ def test_params_without_grads_and_zeroed_grads(kind: str) -> None:
 
 @pytest.mark.parametrize("moments", MOMENTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_resume_is_bitwise_and_state_dicts_cross_over(kind: str, moments: str) -> None:
+def test_resume_is_bitwise_and_state_dicts_cross_over(kind: str, moments: str, transfers: str) -> None:
     """A state_dict saved mid-run (through torch.save / torch.load(weights_only=True)) resumes
     bitwise in a fresh offloaded optimizer; the same state_dict loads into an optimizer without
     offload and back, as they are the same format."""
@@ -354,7 +418,7 @@ def test_resume_is_bitwise_and_state_dicts_cross_over(kind: str, moments: str) -
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_lr_scheduler_and_group_changes(kind: str) -> None:
+def test_lr_scheduler_and_group_changes(kind: str, transfers: str) -> None:
     """A scheduler changes lr at every step; a group option the buckets depend on (moments)
     changes mid-run; a param group added later is offloaded too."""
     reference, opt, offloaded, offloaded_opt = pair(kind)
@@ -376,9 +440,10 @@ def test_lr_scheduler_and_group_changes(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_params_edited_between_steps_are_picked_up(kind: str) -> None:
+def test_params_edited_between_steps_are_picked_up(kind: str, transfers: str) -> None:
     """In-place edits (clamp_, model.load_state_dict) and a new tensor (p.data = ...) between
-    steps: the next step starts from the edited param, as without offload."""
+    steps, and an edit between backward and step(): the step starts from the edited param, as
+    without offload."""
     reference, opt, offloaded, offloaded_opt = pair(kind, master_weights="remainder")
     other = Net(seed=5).state_dict()
 
@@ -391,13 +456,19 @@ def test_params_edited_between_steps_are_picked_up(kind: str) -> None:
             elif step == 3:
                 model.middle.weight.data = model.middle.weight.data * 0.5
 
+    def after_backward(model: Net, step: int) -> None:
+        if step == 4:
+            with torch.no_grad():
+                model.last.weight.mul_(0.5)
+
     for model, o in ((reference, opt), (offloaded, offloaded_opt)):
-        for step in range(5):
+        for step in range(6):
             edits(model, step)
-            train(model, o, range(step, step + 1))
+            train(model, o, range(step, step + 1), corrupt=after_backward)
     assert_same(reference, opt, offloaded, offloaded_opt)
-    # At the first step every param, then the clamped one, the six loaded ones, the replaced one.
-    assert offloaded_opt._offload.counts["params copied to the host"] == 6 + 1 + 6 + 1
+    # At the first step every param, then the clamped one, the six loaded ones, the replaced one,
+    # the one changed after backward.
+    assert offloaded_opt._offload.counts["params copied to the host"] == 6 + 1 + 6 + 1 + 1
 
 
 def test_torch_state_dict_master_of_and_state_bytes() -> None:
@@ -443,7 +514,7 @@ def test_host_bytes_per_param(master_weights: str, limit: float) -> None:
 
 @pytest.mark.parametrize("moments", MOMENTS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_offload_gradients_frees_the_grads(kind: str, moments: str) -> None:
+def test_offload_gradients_frees_the_grads(kind: str, moments: str, transfers: str) -> None:
     """Each grad is freed once on the host (p.grad is None after backward), with the same steps;
     accumulation inside offload_no_sync(); fusedamp.GradScaler's found_inf (an inf at step 2,
     which must skip) from the checks taken in backward."""
@@ -504,7 +575,9 @@ def test_offload_gradients_clipping_is_close_and_its_limits_are_errors() -> None
 @pytest.mark.parametrize("offload_gradients", [False, True])
 @pytest.mark.parametrize("mode", PARAM_MODES[1:], ids=mode_id)
 @pytest.mark.parametrize("kind", KINDS)
-def test_step_in_backward(kind: str, mode: tuple[torch.dtype, Any], offload_gradients: bool) -> None:
+def test_step_in_backward(
+    kind: str, mode: tuple[torch.dtype, Any], offload_gradients: bool, transfers: str
+) -> None:
     """Every param is stepped by the worker thread during backward (step() only waits for it),
     bitwise as after backward; accumulation inside offload_no_sync(); a scheduler's lr of the
     step is the one backward uses."""
