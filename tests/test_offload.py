@@ -74,8 +74,9 @@ def batch(step: int, device: str = "cpu") -> tuple[Tensor, Tensor]:
 
 def make_optimizer(kind: str, params: Any, **options: Any) -> torch.optim.Optimizer:
     if kind == "adamw":
-        return fusedamp.FusedAdamW(params, lr=1e-2, weight_decay=0.1, **options)
-    return fusedamp.FusedSGD(params, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01, **options)
+        return fusedamp.FusedAdamW(params, **{"lr": 1e-2, "weight_decay": 0.1, **options})
+    defaults = {"lr": 5e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+    return fusedamp.FusedSGD(params, **{**defaults, **options})
 
 
 def pair(
@@ -307,6 +308,28 @@ def test_layouts_and_dtypes_torch_takes(kind: str, transfers: str) -> None:
     assert b[0].is_contiguous(memory_format=torch.channels_last)
     assert_same_bits(opt.state_dict(), offloaded.state_dict())
     assert offloaded._offload.counts["grads copied in step"] == 15  # grads set by hand
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("adamw", {"amsgrad": True, "maximize": True, "master_weights": False, "lr": torch.tensor(0.01)}),
+        ("sgd", {"momentum": 0.5, "dampening": 0.1, "nesterov": False, "maximize": True,
+                 "lr": torch.tensor(0.05)}),
+        ("sgd", {"momentum": 0.0, "nesterov": False, "master_weights": "stochastic", "moments": "int8"}),
+    ],
+    ids=["adamw-amsgrad-maximize-no-master", "sgd-dampening-maximize", "sgd-no-momentum"],
+)
+def test_other_options(kind: str, options: dict[str, Any], transfers: str) -> None:
+    """amsgrad, maximize, a tensor lr, no master, fp16 params, dampening, no momentum."""
+    lr = options.pop("lr", None)
+    reference, opt, offloaded, offloaded_opt = pair(kind, torch.float16, **options)
+    for o in (opt, offloaded_opt):
+        if lr is not None:
+            o.param_groups[0]["lr"] = lr.clone()
+    train(reference, opt, range(3))
+    train(offloaded, offloaded_opt, range(3))
+    assert_same(reference, opt, offloaded, offloaded_opt)
 
 
 # --- AMP, clipping, accumulation ------------------------------------------------------------
