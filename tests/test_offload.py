@@ -887,3 +887,36 @@ def test_cuda_step_in_backward_and_the_next_forward() -> None:
                     assert torch.equal(slot.param.cpu(), slot.host)
     assert_same(reference, opt, offloaded, offloaded_opt)
     assert offloaded_opt._offload.counts["params stepped in backward"] == 6 * 3
+
+
+@needs_cuda
+def test_cuda_copies_overlap_backward_and_the_cpu_step() -> None:
+    """From a profile: the first grad copy to the host starts before backward's last kernel ends
+    (the copies run during backward), and the first param copy back starts before the CPU step
+    of the last chunk ends (each chunk goes back while the next one steps)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    layers = 7  # 7 x 16.8M params: several chunks
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(layers)])
+    model = model.to("cuda", torch.bfloat16)
+    opt = fusedamp.FusedAdamW(model.parameters(), offload="cpu", moments="int8", master_weights="remainder")
+    inputs = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # the second step is profiled (the first makes the state)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            opt.zero_grad()
+            with record_function("backward"):
+                model(inputs).float().square().mean().backward()
+                torch.cuda.synchronize()
+            with record_function("offloaded step"):
+                opt.step()
+            torch.cuda.synchronize()
+    events = prof.events()
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    to_host = [e.time_range.start for e in device if "DtoH" in e.name]
+    to_device = [e.time_range.start for e in device if "HtoD" in e.name]
+    kernels = [e.time_range.end for e in device if "Memcpy" not in e.name and "Memset" not in e.name]
+    step = next(e for e in events if e.name == "offloaded step")
+    assert len(to_host) >= layers and len(to_device) >= layers
+    assert min(to_host) < max(kernels)
+    assert min(to_device) < step.time_range.end
+    assert opt._offload.counts["grads copied in step"] == 0
