@@ -11,6 +11,9 @@ step, and a grad stored in another order than its param through a copy in the pa
 Complex params are stepped as pairs of reals, as torch.optim does. float64 (and complex128)
 buckets, which the fused kernels do not take, run torch's own ops (:meth:`_step_native`).
 
+With ``offload="cpu"`` the state and the step live on the host and the params and grads stay on
+their device: _offload.py moves the grads and params and runs the same buckets on host copies.
+
 Master weights live in _masters.py, the per-bucket step pieces in _step.py, the read-only
 pass and clipping in _clipping.py.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from itertools import chain
 from typing import Any
 
@@ -28,7 +32,7 @@ from torch import Tensor
 
 from fusedamp import _dtensor
 from fusedamp._layout import has_kernel, is_dense, like, real_view
-from fusedamp.optim import _codecs, _dtensor_state
+from fusedamp.optim import _codecs, _dtensor_state, _offload
 from fusedamp.optim._clipping import check_and_norm, clip_coefficient
 from fusedamp.optim._masters import (
     HALF_DTYPES,
@@ -91,9 +95,15 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         max_grad_norm: float | None,
+        offload: _offload.OffloadTarget | None = None,
+        offload_gradients: bool = False,
+        step_in_backward: bool = False,
     ) -> None:
         if max_grad_norm is not None and not 0.0 < max_grad_norm:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
+        _offload.check_options(offload, offload_gradients, step_in_backward, max_grad_norm)
+        # The host side of an offloaded optimizer (_offload.py); made once the groups exist.
+        self._offload: _offload.Offload | None = None
         super().__init__(params, defaults)
         self._check_hyperparameters()
         self.max_grad_norm = max_grad_norm
@@ -104,6 +114,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         # The plan a GradScaler's read-only pass found fitting, trusted by the step() it runs
         # right after without checking it again (fusedamp.GradScaler.step clears it).
         self._checked_plan: StepPlan | None = None
+        if offload is not None:
+            self._offload = _offload.Offload(self, offload_gradients, step_in_backward)
 
     # Whether sparse grads are taken (torch.optim.SGD takes them, AdamW refuses them).
     _takes_sparse_grads = False
@@ -180,6 +192,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     f"master_weights='remainder' needs bfloat16 params; {where} is float16 "
                     "(use master_weights=True for float16 params)"
                 )
+        if getattr(self, "_offload", None) is not None:
+            self._offload.add_params(group["params"], group)
 
     def _index_params(self) -> None:
         # A param's position in the optimizer (over all groups, as state_dict numbers them): the
@@ -196,11 +210,17 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         return index
 
     def __getstate__(self) -> dict[str, Any]:
+        if self.__dict__.get("_offload") is not None:
+            raise TypeError(
+                f"an offloaded {type(self).__name__} holds backward hooks, streams and host buffers "
+                "and cannot be pickled or deep-copied; save its state_dict() instead"
+            )
         # torch.optim pickles (and deep-copies) only defaults, state and param_groups.
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_offload", None)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
         self._plan = self._checked_plan = None
@@ -293,13 +313,22 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
         The fp32 master itself, a rebuilt copy in remainder mode, or ``param.float()`` when the
         param has no master (fp32 params, ``master_weights=False``, no step taken yet).
+        Offloaded, it is a host tensor (the host copy's value without a master).
         """
         state = self.state.get(param, {})
         if MASTER_KEY in state:
             return state[MASTER_KEY]
+        stepped = param if self._offload is None else self._offload.host_of(param)
         if REMAINDER_KEY in state:
-            return join_bf16_remainder(param, state[REMAINDER_KEY])
-        return param.detach().float()
+            return join_bf16_remainder(stepped, state[REMAINDER_KEY])
+        return stepped.detach().float()
+
+    def _state_like(self, param: Tensor) -> Tensor:
+        """The tensor whose device and layout the state of ``param`` takes: the host copy of an
+        offloaded optimizer, a DTensor's local shard, else ``param``."""
+        if self._offload is not None:
+            return self._offload.host_of(param)
+        return _dtensor.local(param)
 
     def _indexed_params(self) -> list[Tensor]:
         """The params in the order state_dict() numbers them."""
@@ -315,6 +344,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         exponent (see _dtensor_state.py), so that torch.distributed.checkpoint saves and reshards
         it; ``step`` stays a plain tensor. The state of plain params is as the optimizer holds it.
         """
+        if self._offload is not None:
+            self._offload.drain()
         state_dict = super().state_dict()
         packed = state_dict["state"]
         for index, param in enumerate(self._indexed_params()):
@@ -334,9 +365,18 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (this rank's shard is taken); per-element scale exponents of 8-bit moments are made into
         the local blocks' codes and scales (see state_dict). A plain tensor for a DTensor param
         (the rank-local form) is refused with a ValueError.
+
+        An offloaded optimizer puts the state on the host, like each param's host copy.
         """
         state_dict = self._local_state_dict(state_dict)
-        super().load_state_dict(state_dict)
+        if self._offload is None:
+            super().load_state_dict(state_dict)
+        else:
+            # torch would first copy every state tensor onto its param's device; the state is
+            # made on the host below instead.
+            self._offload.drain()
+            super().load_state_dict({**state_dict, "state": {}})
+            self._offload.regroup()
         self._plan = self._checked_plan = None
         # torch casts every floating state tensor to its param's dtype, which would round the
         # fp32 moments and masters of half params: redo the cast from the saved values.
@@ -347,12 +387,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             if saved is None:
                 continue
             state = self.state[param]
-            local_param = _dtensor.local(param)
+            local_param = self._state_like(param)
+            device = local_param.device
             for key, value in saved.items():
                 if key == "step":
-                    state[key] = torch.tensor(float(value), dtype=torch.float32, device=param.device)
+                    state[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
                 elif key.endswith(_codecs.SCALES_SUFFIX):
-                    state[key] = value.detach().to(param.device, torch.float32, copy=True).contiguous()
+                    state[key] = value.detach().to(device, torch.float32, copy=True).contiguous()
                 elif isinstance(value, Tensor):
                     dtype = torch.int16 if key == REMAINDER_KEY else state_dtype(param.dtype)
                     if key == MASTER_KEY:
@@ -364,9 +405,10 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                         state[key] = like(value, local_param, dtype)
                     else:  # a param with gaps is stepped through a contiguous copy
                         state[key] = value.to(
-                            device=param.device, dtype=dtype, memory_format=torch.contiguous_format,
-                            copy=True,
+                            device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True
                         )
+                elif self._offload is not None:
+                    state[key] = value  # a plain value (torch's load_state_dict ran without the state)
             # A torch.optim state (fp32 moments) is quantized into the group's codec now, so that
             # state_dict() and torch_state_dict() show what the next step will use.
             moment_keys = tuple(key for key in saved if key not in (MASTER_KEY, REMAINDER_KEY))
@@ -392,6 +434,11 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (fp32 masters, bf16 remainders), ``moments`` (moments and momentum buffers, in their
         codec), ``scales`` (the float32 scales of 8-bit moments) and ``other`` (step counts).
 
+        Offloaded (all of the state is then on the host), also ``params`` and ``grads`` (the
+        host copies of the params and the host grad buffers) and the totals by place: ``host``
+        (the state and the host buffers as allocated) and ``device`` (what the optimizer holds
+        on the params' device: with ``offload_gradients``, two floats per param).
+
         >>> opt = fusedamp.FusedAdamW(model.parameters(), moments="int8")
         >>> opt.state_bytes()["moments"]  # about 2 bytes per param after the first step
         """
@@ -410,6 +457,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 else:
                     kind = "moments"
                 totals[kind] += local.numel() * local.element_size()
+        if self._offload is not None:
+            totals.update(self._offload.buffer_bytes(sum(totals.values())))
         return totals
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -457,6 +506,9 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         found_inf: Tensor | None = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._check_hyperparameters()
+        if self._offload is not None:
+            self._offload.step(inv_scale, found_inf, scaled=grad_scale is not None)
+            return loss
         checked, self._checked_plan = self._checked_plan, None
         buckets = self._planned_buckets(checked)
         clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
@@ -480,25 +532,51 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     original.copy_(work)
         return loss
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's zero_grad; offloaded, the host grad buffers follow (see _offload.py)."""
+        if self._offload is not None:
+            self._offload.drain()
+        super().zero_grad(set_to_none)
+        if self._offload is not None:
+            self._offload.zero_grad(set_to_none)
+
+    def offload_no_sync(self) -> AbstractContextManager[None]:
+        """A context in which backward leaves the grads on the params' device, where they add up:
+        for the micro-batches of gradient accumulation before the last, whose backward sends the
+        sums to the host. Without it every backward sends its grads and the last copy wins; with
+        ``offload_gradients`` or ``step_in_backward`` it is required. A no-op without offload
+        (docs/offload.md).
+
+        >>> for i, batch in enumerate(micro_batches):
+        ...     with opt.offload_no_sync() if i < len(micro_batches) - 1 else nullcontext():
+        ...         loss_fn(model(batch)).backward()
+        >>> opt.step()
+        """
+        return nullcontext() if self._offload is None else self._offload.no_sync()
+
     def _grads(self) -> Iterable[tuple[dict[str, Any], Tensor, Tensor]]:
         """(group, param, grad) for every param that has a grad."""
         for group in self.param_groups:
             for param in group["params"]:
                 grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    if not self._takes_sparse_grads:
-                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                    # Stepped as the dense grad it stands for (duplicate indices summed), which
-                    # is what torch's SGD adds: slower, the same result; .grad stays as it is.
-                    grad = grad.to_dense()
-                if grad.shape != param.shape:
-                    raise RuntimeError(
-                        f"{type(self).__name__}: a grad of shape {tuple(grad.shape)} for a param of "
-                        f"shape {tuple(param.shape)}; each grad must have its param's shape"
-                    )
-                yield group, param, grad
+                if grad is not None:
+                    yield group, param, self._dense_grad(param, grad)
+
+    def _dense_grad(self, param: Tensor, grad: Tensor) -> Tensor:
+        """``grad`` as the step takes it: a sparse grad as the dense one it stands for (where the
+        optimizer takes sparse grads); refused when its shape is not its param's."""
+        if grad.is_sparse:
+            if not self._takes_sparse_grads:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            # Stepped as the dense grad it stands for (duplicate indices summed), which
+            # is what torch's SGD adds: slower, the same result; .grad stays as it is.
+            grad = grad.to_dense()
+        if grad.shape != param.shape:
+            raise RuntimeError(
+                f"{type(self).__name__}: a grad of shape {tuple(grad.shape)} for a param of "
+                f"shape {tuple(param.shape)}; each grad must have its param's shape"
+            )
+        return grad
 
     def _planned_buckets(self, checked: StepPlan | None = None) -> list[Bucket]:
         """The buckets of this step: the step plan's while it fits (see _plan.py; `checked`: a
@@ -512,27 +590,34 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         self._plan = StepPlan.build(self, buckets)
         return buckets
 
-    def _buckets(self) -> list[Bucket]:
+    def _buckets(
+        self, host_copies: Iterable[tuple[dict[str, Any], Tensor, Tensor, Tensor]] | None = None
+    ) -> list[Bucket]:
+        """The buckets of every param with a grad, each stepped where it is; or, given
+        ``host_copies`` (group, param, host copy, host grad) of an offloaded step, of those host
+        copies, with the state of their params (made like the host copies)."""
         # Runs for every param at every step: the plain case takes the fewest Python steps.
         buckets: dict[tuple[int, torch.device, torch.dtype, torch.dtype], Bucket] = {}
-        for group, param, grad in self._grads():
-            key = (id(group), param.device, param.dtype, grad.dtype)
+        if host_copies is None:
+            host_copies = ((group, param, param, grad) for group, param, grad in self._grads())
+        for group, param, work_param, work_grad in host_copies:
+            key = (id(group), work_param.device, work_param.dtype, work_grad.dtype)
             bucket = buckets.get(key)
             if bucket is None:
-                master_key = master_key_for(group["master_weights"], param.dtype)
+                dtype = work_param.dtype
+                master_key = master_key_for(group["master_weights"], dtype)
                 moment_keys = self._moment_keys(group)
                 if group["moments"] == "int8":
                     moment_keys = (*moment_keys, *map(_codecs.scales_key, moment_keys))
                 bucket = buckets[key] = Bucket(
-                    group, param.device, master_key, ("step", *moment_keys),
-                    native=not has_kernel(param.dtype), complex=param.is_complex(),
-                    stochastic=group["master_weights"] == "stochastic" and param.dtype in HALF_DTYPES,
+                    group, work_param.device, master_key, ("step", *moment_keys),
+                    native=not has_kernel(dtype), complex=work_param.is_complex(),
+                    stochastic=group["master_weights"] == "stochastic" and dtype in HALF_DTYPES,
                 )
-            if type(param) in _PLAIN_TENSORS and type(grad) in _PLAIN_TENSORS:
-                work_param, work_grad = param, grad
-            else:  # DTensor (FSDP2) params are updated through their local shards.
-                work_param = _dtensor.local(param)
-                work_grad = _dtensor.local(grad)
+            if type(work_param) not in _PLAIN_TENSORS or type(work_grad) not in _PLAIN_TENSORS:
+                # DTensor (FSDP2) params are updated through their local shards.
+                work_param = _dtensor.local(work_param)
+                work_grad = _dtensor.local(work_grad)
             # The common case, both contiguous, needs no further look at the layouts.
             if not (work_param.is_contiguous() and work_grad.is_contiguous()):
                 work_param, work_grad = kernel_layouts(bucket, work_param, work_grad)
@@ -556,7 +641,10 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (``grad * inv_scale``), and the next step() clips with it instead of reading the
         grads again.
         """
-        found, sums = self._check_and_norm(inv_scale, remember_plan=True)
+        if self._offload is not None and self._offload.offload_gradients:
+            found, sums = self._offload.device_checks(inv_scale, self.max_grad_norm is not None)
+        else:
+            found, sums = self._check_and_norm(inv_scale, remember_plan=True)
         if self.max_grad_norm is not None and sums:
             self._pending_clip_coef = self._clip_coef(sums)
         return found

@@ -11,6 +11,7 @@ from torch import Tensor
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
+from fusedamp.optim._offload import OffloadTarget
 from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
 
 __all__ = ["FusedAdamW"]
@@ -51,6 +52,13 @@ class FusedAdamW(FusedOptimizer):
     - ``write_unscaled_grads``: when the step unscales or clips the grads, it writes the values
       it used back into ``.grad`` as torch does (default); ``False`` saves that write for code
       that zeroes the grads right after the step.
+    - ``offload="cpu"``: the state and the step on the host, the params and grads on their
+      device (one CUDA device); each grad goes to the host as backward makes it and the params
+      come back while the CPU steps the rest, with the same bits as without offload.
+      ``offload_gradients=True`` frees each grad on the device once it is on the host;
+      ``step_in_backward=True`` steps each param as soon as its grad landed (no clipping, no
+      GradScaler); ``offload_no_sync()`` marks the micro-batches of gradient accumulation before
+      the last. See docs/offload.md.
 
     ``lr`` may be a float or a one-element tensor. Under a ``torch.amp.GradScaler`` or
     ``fusedamp.GradScaler``, ``scaler.step(opt)`` unscales, checks for inf/NaN and (optionally)
@@ -86,6 +94,9 @@ class FusedAdamW(FusedOptimizer):
         write_unscaled_grads: bool = True,
         moments: Moments = "fp32",
         seed: int = 0,
+        offload: OffloadTarget | None = None,
+        offload_gradients: bool = False,
+        step_in_backward: bool = False,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= eps:
@@ -109,7 +120,7 @@ class FusedAdamW(FusedOptimizer):
             "seed": seed,
             **torch_flags(foreach, fused, capturable, differentiable),
         }
-        super().__init__(params, defaults, max_grad_norm)
+        super().__init__(params, defaults, max_grad_norm, offload, offload_gradients, step_in_backward)
 
     def _check_hyperparameters(self) -> None:
         """The base rule, and the constructor's betas rule for betas changed after it (a beta1
