@@ -107,7 +107,8 @@ def cpu_isas() -> tuple[tuple[str, ...], str]:
     return isas, "this CPU's best; FUSEDAMP_CPU_ISAS=all builds avx512, avx2 and baseline"
 
 
-def check_nvcc_matches_torch(cuda_home: str) -> None:
+def check_nvcc_matches_torch(cuda_home: str) -> int:
+    """Exits unless nvcc's CUDA major version is torch's; returns it."""
     out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"],
                          capture_output=True, text=True).stdout
     found = re.search(r"release (\d+)\.(\d+)", out)
@@ -122,6 +123,7 @@ def check_nvcc_matches_torch(cuda_home: str) -> None:
             "must match. Install the matching toolkit or torch build, or build CPU-only with "
             "FUSEDAMP_CUDA=0."
         )
+    return nvcc_major
 
 
 cuda_home = find_cuda_home()
@@ -132,12 +134,23 @@ print(f"fusedamp: CPU kernels for {' + '.join(CPU_ISAS)} ({isa_reason}); CUDA ke
 if with_cuda:
     # cpp_extension reads CUDA_HOME when it is imported: resolve the wrapper before that.
     os.environ["CUDA_HOME"] = cuda_home
-    check_nvcc_matches_torch(cuda_home)
+    cuda_major = check_nvcc_matches_torch(cuda_home)
     visible = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    archs, note = load_cuda_archs().resolve_archs(
+    cuda_archs_module = load_cuda_archs()
+    archs, note = cuda_archs_module.resolve_archs(
         os.environ.get("TORCH_CUDA_ARCH_LIST"), visible, torch.cuda.get_arch_list())
     if note:
         print(note, flush=True)
+    too_old = cuda_archs_module.archs_too_old(archs, cuda_major)
+    if too_old:
+        oldest = ".".join(map(str, cuda_archs_module.oldest_arch(cuda_major)))
+        sys.exit(
+            f"fusedamp: CUDA {cuda_major} cannot build for arch {', '.join(too_old)} (asked for by "
+            f"TORCH_CUDA_ARCH_LIST or a visible GPU): it compiles for {oldest} and newer only. For "
+            "Volta and older GPUs use a CUDA 12 toolkit and a CUDA 12 build of torch; otherwise drop "
+            "those archs (e.g. TORCH_CUDA_ARCH_LIST=\"7.5;8.0;9.0a\"), or build CPU-only with "
+            "FUSEDAMP_CUDA=0."
+        )
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402

@@ -95,9 +95,33 @@ def resolve_archs(
     return ";".join(archs), note
 
 
+# The oldest arch each CUDA major version still compiles for: CUDA 13 dropped Maxwell, Pascal and
+# Volta (sm_50 to sm_72); Turing (7.5) is its oldest target.
+OLDEST_ARCH = {12: (5, 0), 13: (7, 5)}
+
+
+def oldest_arch(cuda_major: int) -> tuple[int, int]:
+    """The oldest (major, minor) arch a CUDA ``cuda_major`` toolkit compiles for (a CUDA newer than
+    OLDEST_ARCH knows: the newest one's; an older one: no limit)."""
+    known = [major for major in OLDEST_ARCH if major <= cuda_major]
+    return OLDEST_ARCH[max(known)] if known else (0, 0)
+
+
+def archs_too_old(arch_list: str, cuda_major: int) -> list[str]:
+    """The entries of ``arch_list`` that a CUDA ``cuda_major`` toolkit cannot compile for."""
+    oldest = oldest_arch(cuda_major)
+    too_old = []
+    for arch in split_arch_list(arch_list):
+        m = ARCH.match(arch)
+        if m and (int(m.group(1)), int(m.group(2))) < oldest:
+            too_old.append(arch)
+    return too_old
+
+
 def gemm_kernels(arch_list: str) -> list[str]:
     """The GEMM kernels that have code in a build for ``arch_list``: "mma_sync" for any arch from
-    8.0 on (SASS or PTX), "wgmma" for 9.0a. The ATen reference path is always there."""
+    8.0 on (SASS or PTX), "wgmma" for 9.0a. The ATen reference path is always there, and is what
+    runs on GPUs below sm_80: code for 7.5 holds the mma.sync kernel with an empty body."""
     kernels = []
     parsed = [ARCH.match(arch) for arch in split_arch_list(arch_list)]
     if any(m and int(m.group(1)) >= 8 for m in parsed):

@@ -12,8 +12,10 @@ from fusedamp import _build_meta
 from fusedamp._cuda_archs import (
     DEFAULT_ARCHS,
     NAMED_ARCHS,
+    archs_too_old,
     detected_archs,
     gemm_kernels,
+    oldest_arch,
     resolve_archs,
     split_arch_list,
 )
@@ -32,6 +34,9 @@ TORCH_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
         ("9.0a", "9.0a"),
         ("8.0;8.6+PTX", "8.0;8.6+PTX"),
         ("10.0", "10.0"),
+        ("7.5;8.0;9.0a", "7.5;8.0;9.0a"),
+        ("7.5 8.0 9.0", "7.5;8.0;9.0;9.0a"),
+        ("Turing;Hopper", "7.5+PTX;9.0+PTX;9.0a"),
     ],
 )
 def test_requested_list_gets_9_0a_when_it_targets_9_0(requested: str, expected: str) -> None:
@@ -54,6 +59,14 @@ def test_visible_non_hopper_gpus_are_built_as_torch_would() -> None:
     assert resolve_archs("", [(8, 6), (8, 0), (8, 6)], TORCH_ARCHS) == ("8.0;8.6+PTX", None)
     # A GPU newer than torch's build is capped at the newest arch torch supports.
     assert detected_archs([(13, 0)], TORCH_ARCHS) == ["12.0+PTX"]
+
+
+def test_visible_turing_gpu_is_built_for_7_5() -> None:
+    # A T4 build machine: its own arch only (the GEMM kernels compile empty there), no 9.0a.
+    assert resolve_archs(None, [(7, 5)], TORCH_ARCHS) == ("7.5+PTX", None)
+    archs, note = resolve_archs(None, [(7, 5), (9, 0)], TORCH_ARCHS)
+    assert archs == "7.5;9.0+PTX;9.0a" and note is not None
+    assert gemm_kernels(resolve_archs(None, [(7, 5)], TORCH_ARCHS)[0]) == []
 
 
 def test_no_gpu_and_no_list_builds_the_default() -> None:
@@ -80,7 +93,12 @@ def test_named_archs_expand_as_torch_expands_them(monkeypatch: pytest.MonkeyPatc
         ("9.0", ["mma_sync"]),
         ("9.0+PTX;9.0a", ["mma_sync", "wgmma"]),
         ("7.5", []),
+        ("7.5+PTX", []),
+        ("Turing", []),
         ("7.0;7.5+PTX", []),
+        ("7.5;8.0;9.0a", ["mma_sync", "wgmma"]),
+        ("7.5;8.0", ["mma_sync"]),
+        ("7.5;9.0a", ["mma_sync", "wgmma"]),
         ("8.6+PTX", ["mma_sync"]),
         ("Hopper", ["mma_sync"]),
         ("10.0a", ["mma_sync"]),
@@ -101,3 +119,23 @@ def test_build_info_reports_this_builds_gemm_kernels() -> None:
     # A build for 9.0 has 9.0a too (setup.py adds it), so it has the wgmma kernel.
     if "9.0" in {arch.removesuffix("+PTX") for arch in info["cuda_archs"]}:
         assert "wgmma" in info["gemm_kernels"]
+
+
+@pytest.mark.parametrize(
+    "arch_list,cuda_major,too_old",
+    [
+        ("7.5;8.0;9.0a", 13, []),
+        ("7.0;7.5;8.0", 13, ["7.0"]),
+        ("Volta;Turing", 13, ["7.0+PTX"]),
+        ("Pascal", 13, ["6.0", "6.1+PTX"]),
+        ("7.2", 13, ["7.2"]),
+        ("7.0;8.0", 12, []),
+        ("5.0", 12, []),
+        ("7.0", 14, ["7.0"]),  # a newer CUDA: at least what CUDA 13 dropped
+        ("7.0", 11, []),
+    ],
+)
+def test_archs_cuda_13_cannot_build(arch_list: str, cuda_major: int, too_old: list[str]) -> None:
+    # setup.py stops early with a clear message instead of nvcc's "Unsupported gpu architecture".
+    assert archs_too_old(arch_list, cuda_major) == too_old
+    assert oldest_arch(13) == (7, 5)

@@ -11,6 +11,7 @@ from op_table import ACTIVATIONS
 
 import fusedamp.nn
 from fusedamp import ops
+from fusedamp.nn import routing
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -158,3 +159,20 @@ def test_routing_under_autocast_casts_like_autocast(gemm_calls):
     y.float().sum().backward()
     assert x.grad is not None and layer.weight.grad is not None and layer.bias.grad is not None
     torch.testing.assert_close(y.float(), layer(x).detach(), rtol=2e-2, atol=2e-2)
+
+
+def test_routing_leaves_gpus_without_gemm_kernels_to_torch(gemm_calls, monkeypatch):
+    # Below sm_80 ops.gemm could only run its fp32 ATen reference: torch's own GEMM is better there.
+    for capability, expected in [((7, 5), False), ((7, 0), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert routing._has_gemm_kernels(torch.device("cuda:0")) is expected, capability
+    assert routing._has_gemm_kernels(torch.device("cpu"))
+    # The routing asks it of every call's device.
+    monkeypatch.setattr(routing, "_has_gemm_kernels", lambda device: False)
+    x = torch.randn(2, 8).half()
+    w = torch.randn(4, 8).half()
+    with fusedamp.nn.fused_gemm_routing(device_types=("cpu",)):
+        y = F.linear(x, w)
+        torch.matmul(x, w.t())
+    assert gemm_calls == []
+    assert torch.equal(y, F.linear(x, w))

@@ -4,6 +4,7 @@ tools/gpu_check.sh): every backend, shape, layout, dtype and epilogue."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -248,3 +249,25 @@ def test_3d_input(kernel, dtype):
     bias = torch.randn(264, device="cuda", generator=g)
     poison_allocator()
     assert_within_float64_bound(ops.gemm(a, b, bias), a, b, bias)
+
+
+def test_gpus_below_sm80_run_the_reference_without_a_warning():
+    # A Turing GPU (T4): the mma.sync kernel's sm_75 code is an empty body, so `auto` must take the
+    # reference (silently: nothing to rebuild) and the forced kernels must refuse.
+    capability = torch.cuda.get_device_capability()
+    if capability >= (8, 0):
+        pytest.skip(f"sm_{capability[0]}{capability[1]} runs the GEMM kernels")
+    a, b, bias = make(129, 65, 127, torch.float16, False, True, integer=True)
+    previous = _C.set_gemm_backend("auto")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = ops.gemm(a, b, bias, "relu", torch.float32)
+        expected = F.relu(a.double() @ b.double() + bias.double()).float()
+        assert torch.equal(out, expected)
+        for name in ("mma_sync", "wgmma"):
+            _C.set_gemm_backend(name)
+            with pytest.raises(RuntimeError, match="sm_80 or newer|sm_90 GPU"):
+                ops.gemm(a, b)
+    finally:
+        _C.set_gemm_backend(previous)

@@ -19,6 +19,11 @@ RTX4090 = (89, True, False)  # sm_80 SASS runs on sm_89
 B200_OLD_BUILD = (100, False, False)  # 8.0;9.0a on sm_100: neither runs there
 B200_WITH_PTX = (100, True, False)  # 8.0+PTX: the driver compiles the mma.sync PTX
 V100 = (70, False, False)
+# 7.5;8.0;9.0a on sm_75: its sm_75 image of the mma.sync kernel has an empty body (sm80.cuh), which
+# sm80_kernels_built() does not count as code (the image's PTX version is below 8.0).
+T4 = (75, False, False)
+# 7.5+PTX on sm_86: the driver compiles the compute_75 PTX, an empty body as well.
+RTX3090_TURING_PTX = (86, False, False)
 
 
 def choose(backend: str, device: tuple[int, bool, bool], fits: bool = True, wgmma_fits: bool = True):
@@ -37,6 +42,8 @@ def choose(backend: str, device: tuple[int, bool, bool], fits: bool = True, wgmm
         (B200_OLD_BUILD, ("reference", "mma_sync")),
         (B200_WITH_PTX, ("mma_sync", "")),
         (V100, ("reference", "")),
+        (T4, ("reference", "")),
+        (RTX3090_TURING_PTX, ("reference", "mma_sync")),
     ],
 )
 def test_auto_takes_the_best_kernel_this_build_has_code_for(device, expected) -> None:
@@ -72,16 +79,26 @@ def test_forced_mma_sync_without_code_for_the_device_is_an_error(device) -> None
 def test_forced_mma_sync_before_ampere_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="needs an sm_80 or newer GPU; this is sm_70"):
         choose("mma_sync", V100)
+    # Whatever a Turing build reports about its (empty) mma.sync image.
+    for mma_sync_code in (False, True):
+        with pytest.raises(RuntimeError, match="needs an sm_80 or newer GPU; this is sm_75"):
+            choose("mma_sync", (75, mma_sync_code, False))
 
 
-@pytest.mark.parametrize("device", [H100_WITHOUT_9_0A, H100_8_0_BUILD, A100, B200_WITH_PTX])
+def test_auto_never_picks_a_kernel_below_ampere() -> None:
+    # Even if a build reported mma.sync code for a Turing GPU, auto runs the reference there.
+    for mma_sync_code, fits in itertools.product((False, True), (False, True)):
+        assert choose("auto", (75, mma_sync_code, False), fits=fits) == ("reference", "")
+
+
+@pytest.mark.parametrize("device", [H100_WITHOUT_9_0A, H100_8_0_BUILD, A100, B200_WITH_PTX, T4])
 def test_forced_wgmma_without_its_code_is_an_error(device) -> None:
     with pytest.raises(RuntimeError, match="wgmma backend needs an sm_90 GPU and a build for arch 9.0a"):
         choose("wgmma", device)
 
 
 def test_reference_backend_never_asks_the_device() -> None:
-    for device in (H100_FULL_BUILD, H100_8_0_BUILD, V100):
+    for device in (H100_FULL_BUILD, H100_8_0_BUILD, V100, T4):
         assert choose("reference", device) == ("reference", "")
 
 

@@ -1,6 +1,7 @@
 """What the GEMM kernels compiled to, checked without a GPU: cuobjdump -sass on the built
-extension must show HMMA.16816.F32 (+ ldmatrix, cp.async) in the sm_80 code of the mma.sync kernel
-and HGMMA (+ TMA, setmaxnreg) in the sm_90a code of the wgmma kernel."""
+extension must show HMMA.16816.F32 (+ ldmatrix, cp.async) in the sm_80 code of the mma.sync kernel,
+an empty body in its sm_75 code, and HGMMA (+ TMA, setmaxnreg) in the sm_90a code of the wgmma
+kernel."""
 
 from __future__ import annotations
 
@@ -82,6 +83,14 @@ def test_mma_sync_kernels_use_hmma_ldmatrix_and_cp_async(arch):
         assert "LDSM" in sass, name  # ldmatrix
         assert "LDGSTS" in sass, name  # cp.async
         assert "LDL" not in sass and "STL" not in sass, f"{name} uses local memory"
+
+
+def test_mma_sync_kernels_are_empty_below_sm80():
+    # A build for Turing (7.5) holds the mma.sync kernels with empty bodies (no cp.async, no
+    # m16n8k16 there): the gemm never launches them (sm80_kernels_built() checks the PTX version).
+    for name, sass in kernels("sm_75", "gemm_sm80_kernel").items():
+        assert "HMMA" not in sass and "LDGSTS" not in sass and "LDSM" not in sass, name
+        assert "EXIT" in sass, name
 
 
 def test_wgmma_kernels_use_hgmma_tma_and_setmaxnreg():

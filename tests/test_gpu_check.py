@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,3 +128,27 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     ]
     assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
+
+
+# What marks a test file as running CUDA code: tensors put on a GPU, or a skip without one.
+USES_CUDA = re.compile(r'needs_cuda|not torch\.cuda\.is_available\(\)|device="cuda"|\.cuda\(\)|\("cuda"')
+
+
+def test_gpu_check_selects_every_cuda_test_file() -> None:
+    # gpu_check.sh runs `pytest -m cuda` (tests/conftest.py marks the tests skipped without a GPU
+    # or taking a "cuda" device): a CUDA test that escapes the marker would never run on a GPU.
+    uses_cuda = {
+        path.name
+        for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != Path(__file__).name and USES_CUDA.search(path.read_text())
+    }
+    assert {"test_cuda_ops.py", "test_gemm_cuda.py", "test_optim_codecs.py"} <= uses_cuda
+    script = (ROOT / "tools" / "gpu_check.sh").read_text()
+    assert "-m cuda" in script and "tests/test_gemm_cuda.py" in script
+    collect = ["--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", *collect], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    node_ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    selected = {node_id.split("::")[0].removeprefix("tests/") for node_id in node_ids}
+    assert uses_cuda <= selected, f"CUDA tests gpu_check.sh would not run: {sorted(uses_cuda - selected)}"

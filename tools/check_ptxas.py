@@ -1,11 +1,15 @@
 """Fails on register spills in any CUDA kernel or on ptxas wgmma serialization warnings (C7510,
-C7511). Needs nvcc and torch, no GPU. Either compiles every CUDA source with ``-Xptxas -v``, or
+C7511), and when a target arch has no ptxas report. Needs nvcc and torch, no GPU. Either compiles
+every CUDA source with ``-Xptxas -v`` (the build's nvcc command, tools/compile_cuda_file.py), or
 reads the log of a full build made with FUSEDAMP_PTXAS_VERBOSE=1 (what CI does: one compile).
 
-    python -m tools.check_ptxas                 # archs 8.0;9.0a, or TORCH_CUDA_ARCH_LIST
+    python -m tools.check_ptxas                 # archs 7.5;8.0;9.0a, or TORCH_CUDA_ARCH_LIST
     python -m tools.check_ptxas --jobs 2 --json out/ptxas.json
     FUSEDAMP_PTXAS_VERBOSE=1 make build 2>&1 | tee build.log
     python -m tools.check_ptxas --log build.log  # from a build from scratch
+
+Below sm_80 the mma.sync GEMM kernel compiles to an empty body (csrc/cuda/gemm/sm80.cuh): its
+sm_75 entries are reported like any other kernel's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,45 +25,27 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "csrc" / "cuda").rglob("*.cu"))
+from tools.compile_cuda_file import DEFAULT_ARCHS, ROOT, SOURCES, find_nvcc, split_archs
+from tools.compile_cuda_file import nvcc_command as build_nvcc_command
+
 SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 SERIALIZATION = re.compile(r"C751[01]|wgmma[^\n]*serializ", re.IGNORECASE)
 # A build step in ninja's output: "[3/12] <command>", the step's own output on the lines after it.
 NINJA_STEP = re.compile(r"^\[\d+/\d+\] (.*)$")
-
-
-def find_nvcc() -> str:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        sys.exit("check_ptxas: nvcc not found; set CUDA_HOME or put nvcc on PATH")
-    # nvcc on PATH may be a wrapper script: use the toolkit it runs.
-    dry = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull], capture_output=True,
-                         text=True)
-    top = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.MULTILINE)
-    return str(Path(top.group(1).strip()) / "bin" / "nvcc") if top else nvcc
+# A target in an nvcc command: -gencode=arch=compute_75,code=sm_75 -> 7.5 (9.0a for sm_90a).
+GENCODE = re.compile(r"code=sm_(\d+?)(\d[af]?)\b")
 
 
 def nvcc_command(nvcc: str, source: Path, archs: list[str], out: Path) -> list[str]:
+    """The build's nvcc command for `source` and every arch at once, with ptxas' report."""
     # cpp_extension guesses the toolkit when imported; tell it the one nvcc belongs to.
     os.environ.setdefault("CUDA_HOME", str(Path(nvcc).parent.parent))
-    import torch.utils.cpp_extension as ext
+    return build_nvcc_command(nvcc, source, archs, out, ptxas_verbose=True)
 
-    includes = [ROOT / "csrc" / "include", ROOT / "csrc", *ext.include_paths()]
-    gencode = []
-    for arch in archs:
-        number = arch.replace(".", "")
-        gencode.append(f"-gencode=arch=compute_{number},code=sm_{number}")
-    return [
-        nvcc, "-c", str(source), "-o", str(out), *(f"-I{p}" for p in includes),
-        "-O3", "-std=c++20", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
-        "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-        "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-        "--fmad=false", "-DFUSEDAMP_WITH_CUDA=1", "-Xptxas=-v", *gencode,
-    ]
+
+def sm_name(arch: str) -> str:
+    """ptxas' name of a TORCH_CUDA_ARCH_LIST entry: 7.5 -> sm_75, 9.0a+PTX -> sm_90a."""
+    return "sm_" + arch.removesuffix("+PTX").replace(".", "")
 
 
 def parse(report: str) -> list[dict[str, object]]:
@@ -95,16 +80,20 @@ def outputs_in_build_log(log: str) -> tuple[dict[Path, str], list[str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", default=os.environ.get("TORCH_CUDA_ARCH_LIST") or "8.0;9.0a")
+    parser.add_argument("--archs", default=os.environ.get("TORCH_CUDA_ARCH_LIST"),
+                        help=f"the archs to compile for (default: TORCH_CUDA_ARCH_LIST, else "
+                        f"{DEFAULT_ARCHS}), or with --log the archs each file's report must cover "
+                        "(default: TORCH_CUDA_ARCH_LIST, else the log's -gencode targets)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", "2")))
     parser.add_argument("--log", type=Path, help="read a full FUSEDAMP_PTXAS_VERBOSE=1 build's log "
                         "instead of compiling")
     parser.add_argument("--json", type=Path, help="also write the per-kernel report here")
     args = parser.parse_args()
-    archs = [a for a in re.split(r"[;\s]+", args.archs) if a]
-
     if args.log:
-        outputs, missing = outputs_in_build_log(args.log.read_text())
+        log = args.log.read_text()
+        targets = sorted({f"{major}.{minor}" for major, minor in GENCODE.findall(log)})
+        archs = split_archs(args.archs) if args.archs else targets
+        outputs, missing = outputs_in_build_log(log)
         if missing:
             print(f"check_ptxas: {args.log} does not show these compiled: {', '.join(missing)}; "
                   "read the log of a build from scratch, or run without --log", file=sys.stderr)
@@ -116,6 +105,7 @@ def main() -> int:
         results = [(source, output, 0.0, 0) for source, output in outputs.items()]
         wall = 0.0
     else:
+        archs = split_archs(args.archs or DEFAULT_ARCHS)
         nvcc = find_nvcc()
 
         def compile_one(source: Path) -> tuple[Path, str, float, int]:
@@ -140,7 +130,12 @@ def main() -> int:
         for line in output.splitlines():
             if SERIALIZATION.search(line):
                 failures.append(f"{name}: {line.strip()}")
-        for kernel in parse(output):
+        kernels = parse(output)
+        # Every target arch has its ptxas report in every file: one without (7.5, say) was not
+        # compiled for it, and what CI means to check was not checked.
+        for sm in sorted({sm_name(arch) for arch in archs} - {k["arch"] for k in kernels}):
+            failures.append(f"{name}: no ptxas report for {sm}; was it a target of this build?")
+        for kernel in kernels:
             kernel["source"] = str(name)
             report.append(kernel)
             if kernel.get("spill_stores", 0) or kernel.get("spill_loads", 0):

@@ -15,6 +15,16 @@ from fusedamp import ops
 from fusedamp.nn.linear import HALF_DTYPES, compute_dtype
 
 _MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
+# fusedamp's GEMM kernels need sm_80 (mma.sync; wgmma on sm_90a). Below it ops.gemm could only run
+# its fp32 ATen reference, slower than torch's own half-precision GEMM on Turing's Tensor Cores,
+# so the routing leaves those GPUs' calls to torch.
+_MIN_CAPABILITY = (8, 0)
+
+
+def _has_gemm_kernels(device: torch.device) -> bool:
+    """Whether fusedamp's GEMM kernels can run on ``device`` (any non-CUDA device: the op's own
+    implementation for it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= _MIN_CAPABILITY
 
 
 class _GemmRouting(TorchFunctionMode):
@@ -44,7 +54,7 @@ class _GemmRouting(TorchFunctionMode):
         if not all(isinstance(t, Tensor) for t in present):
             return None
         first = present[0]
-        if first.device.type not in self.device_types:
+        if first.device.type not in self.device_types or not _has_gemm_kernels(first.device):
             return None
         if any(t.device != first.device or not t.is_floating_point() for t in present):
             return None
@@ -74,7 +84,9 @@ def fused_gemm_routing(device_types: tuple[str, ...] = ("cuda",)) -> Iterator[No
     """Inside the block, ``F.linear(x, W, b)`` and ``torch.matmul(a, b)`` / ``a @ b`` with a 2-D
     ``b`` run on :func:`fusedamp.ops.gemm` when their tensors are on one of ``device_types`` and
     compute in float16/bfloat16 (half tensors, or float tensors under autocast to a half dtype).
-    Everything else goes to torch unchanged. Results are in the half dtype, as under autocast.
+    Everything else goes to torch unchanged, calls on a GPU older than sm_80 (Turing and before,
+    which fusedamp's GEMM kernels do not run on) included. Results are in the half dtype, as under
+    autocast.
 
     >>> with fusedamp.nn.fused_gemm_routing(), torch.autocast("cuda", dtype=torch.bfloat16):
     ...     y = model(x)

@@ -1,6 +1,7 @@
 // CUDA kernel of fusedamp::gemm: picks a kernel for the device, the code this build has for it
 // and the operands' layouts (wgmma on sm_90a, mma.sync on sm_80+, else the ATen reference) and
-// launches it.
+// launches it. Below sm_80 (Turing) every gemm runs the ATen reference: a build that targets 7.5
+// holds the mma.sync kernels with empty bodies there (sm80.cuh), which are never launched.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -57,11 +58,8 @@ bool kernel_ready(const Operand& op) {
   return op.ld % 8 == 0 && reinterpret_cast<uintptr_t>(op.tensor.data_ptr()) % 16 == 0;
 }
 
-Kernel pick_kernel(c10::DeviceIndex device, const Operand& a, const Operand& b, int64_t m,
-                   int64_t n, int64_t k, bool out_fp32) {
-  const Backend backend = fusedamp::gemm::backend();
-  if (backend == Backend::kReference) return Kernel::kReference;
-  const DeviceCode code = device_code(device);
+Kernel pick_kernel(Backend backend, const DeviceCode& code, const Operand& a, const Operand& b,
+                   int64_t m, int64_t n, int64_t k, bool out_fp32) {
   const int64_t int_max = std::numeric_limits<int32_t>::max();
   KernelChoiceInputs in;
   in.cc = code.cc;
@@ -91,13 +89,18 @@ std::tuple<at::Tensor, at::Tensor> gemm_cuda(const GemmCall& call) {
   const c10::optional<at::Tensor>& bias = call.bias;
   const bool keep_preactivation = call.keep_preactivation;
   const int64_t m = a.size(0), k = a.size(1), n = call.b.size(1);
+  const Backend chosen_backend = backend();
+  if (m == 0 || n == 0 || chosen_backend == Backend::kReference) return gemm_reference(call);
   const Operand a_op = describe(a);
   const Operand b_op = describe(call.b);
   const bool out_fp32 = call.out_dtype == at::kFloat;
-  const Kernel kernel = m == 0 || n == 0
-                            ? Kernel::kReference
-                            : pick_kernel(a.device().index(), a_op, b_op, m, n, k, out_fp32);
+  const DeviceCode code = device_code(a.device().index());
+  const Kernel kernel = pick_kernel(chosen_backend, code, a_op, b_op, m, n, k, out_fp32);
   if (kernel == Kernel::kReference) return gemm_reference(call);
+  // The choice only takes a kernel whose real code runs here; an empty body (mma.sync below sm_80,
+  // wgmma outside sm_90a) would leave `out` unwritten without an error.
+  TORCH_INTERNAL_ASSERT(kernel == Kernel::kWgmma ? code.wgmma : code.cc >= 80 && code.mma_sync,
+                        "fusedamp.gemm: chose a kernel with no code for this sm_", code.cc, " GPU");
 
   const at::TensorOptions options = a.options().dtype(call.out_dtype);
   at::Tensor out = at::empty({m, n}, options);

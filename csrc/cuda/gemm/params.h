@@ -37,7 +37,8 @@ void launch_sm90_fp16(const GemmParams& p, int sm_count, cudaStream_t stream);
 void launch_sm90_bf16(const GemmParams& p, int sm_count, cudaStream_t stream);
 
 // Whether this build holds mma.sync code the current device runs: SASS for its arch (sm_80 SASS
-// runs on sm_8x, not on sm_90 or later) or PTX the driver compiles for it.
+// runs on sm_8x, not on sm_90 or later) or PTX the driver compiles for it, made for arch 8.0 or
+// later (code for an older arch, 7.5 say, has an empty kernel body).
 bool sm80_kernels_built();
 // Whether this build holds real sm_90a wgmma code the current device runs (it does not when 9.0a
 // was not a target, nor on any GPU but sm_90).

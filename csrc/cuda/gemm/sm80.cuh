@@ -1,5 +1,9 @@
 // The sm_80+ GEMM kernel: mma.sync m16n8k16 (HMMA) fed by ldmatrix from XOR-swizzled shared
 // memory, filled by a kStages-deep cp.async pipeline. Included once per input type (sm80_*.cu).
+// cp.async and mma.sync m16n8k16 need sm_80: in code for an older arch (7.5 in a build that also
+// serves Turing GPUs) the kernel body compiles to nothing, as the sm90 kernel's does outside
+// sm_90a. sm80_kernels_built() (sm80_fp16.cu) tells such an image from the real one, so the gemm
+// never launches it: below sm_80 it runs the ATen reference.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -52,6 +56,7 @@ struct Sm80Operand {
 
 template <typename T, bool kAKMajor, bool kBKMajor>
 __global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const GemmParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Tile = Sm80Tile;
   using OperandA = Sm80Operand<kAKMajor, Tile::kBlockM>;
   using OperandB = Sm80Operand<kBKMajor, Tile::kBlockN>;
@@ -172,6 +177,7 @@ __global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const 
       }
     }
   }
+#endif  // __CUDA_ARCH__ >= 800
 }
 
 template <typename T, bool kAKMajor, bool kBKMajor>

@@ -15,7 +15,10 @@ bool sm80_kernels_built() {
     (void)cudaGetLastError();  // not sticky: clear it so that it is not reported by a later check
     return false;
   }
-  return true;
+  // An image compiled from PTX below 8.0 holds the empty body (sm80.cuh): e.g. the sm_75 SASS of a
+  // 7.5;8.0 build on a Turing GPU, or 7.5+PTX compiled by the driver for an sm_86 GPU. ptxVersion
+  // is the virtual arch the device's image was compiled from, for SASS and JIT-compiled PTX alike.
+  return attributes.ptxVersion >= 80;
 }
 
 }  // namespace fusedamp::gemm
