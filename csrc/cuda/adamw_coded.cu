@@ -99,7 +99,8 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
 
-    const int64_t element = chunk.begin + first;
+    // Read again, not kept from the prologue: held live across the loop it spilled (int8 moments).
+    const int64_t element = this_chunk(meta).begin + first;
     m.store(exp_avg, exp_avg_scales, first, count, vector, exp_avg_key, element);
     v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, exp_avg_sq_key, element);
     if (amsgrad) v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector, max_exp_avg_sq_key, element);
