@@ -16,9 +16,14 @@ import torch
 import fusedamp
 
 
-def benchmark_args(description: str) -> argparse.Namespace:
-    """The options every benchmark takes: --device, --rounds, --threads, --json PATH."""
+def benchmark_args(
+    description: str, more: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
+    """The options every benchmark takes: --device, --rounds, --threads, --json PATH; ``more``
+    adds a module's own."""
     parser = argparse.ArgumentParser(description=description)
+    if more is not None:
+        more(parser)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=25, help="timed rounds per peer")
     parser.add_argument("--threads", default="", help="CPU thread counts to measure, e.g. 1,2 "

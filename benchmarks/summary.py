@@ -5,12 +5,16 @@ show, rendered from the JSON so that every figure there comes from a committed r
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --short        # README's rows
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table host   # host cost
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table bound  # L2 vs memory
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table offload --threads 1
+    python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table offload-bound
 
 ``steps``: one fusedamp step per row at the given thread count, its median time, and for each
 peer the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in brackets, the
 10th-90th percentile of the per-round ratios where the module kept them. ``host``: the time of a
 step over tiny params, fusedamp's over torch's (below 1x: fusedamp is faster). ``bound``: an
-AdamW step's time per element with its data in L2 and from memory.
+AdamW step's time per element with its data in L2 and from memory. ``offload``: the CPU step of a
+GPT-2's params (bench_offload) by each implementation, with its host bytes per param and
+fusedamp's ratios; ``offload-bound``: what bounds those steps.
 """
 
 from __future__ import annotations
@@ -133,14 +137,86 @@ def bound_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+# bench_offload's rows: (bench, impl, label).
+OFFLOAD_ROWS = [
+    ("offload adamw", "deepspeed", "DeepSpeedCPUAdam, fp32"),
+    ("offload adamw", "torch fused", "`AdamW(fused=True)`, fp32"),
+    ("offload adamw", "fusedamp", "FusedAdamW, fp32"),
+    ("offload adamw", "fusedamp bf16 remainder int8", 'FusedAdamW, bf16, `"remainder"`, int8 moments'),
+    ("offload adamw", "fusedamp bf16 stochastic int8", 'FusedAdamW, bf16, `"stochastic"`, int8 moments'),
+    ("offload sgd", "torch fused", "`SGD(fused=True)`, fp32, momentum"),
+    ("offload sgd", "fusedamp", "FusedSGD, fp32, momentum"),
+]
+OFFLOAD_PEERS = {"deepspeed": "DeepSpeedCPUAdam", "torch fused": "torch fused", "fusedamp": "FusedAdamW fp32"}
+
+
+def _offload_row(rows: list[dict[str, Any]], bench: str, impl: str, threads: int) -> dict[str, Any] | None:
+    return next(
+        (r for r in rows if r["bench"] == bench and r["impl"] == impl and r.get("threads") == threads), None
+    )
+
+
+def offload_table(results: dict[str, Any], threads: int = 1) -> list[str]:
+    """bench_offload's rows at ``threads``: ms per million params, GB/s of the job's bytes (% of the
+    in-place stream rate of the same rounds), host bytes per param, and for fusedamp's rows the
+    peers' time over fusedamp's (at another precision: marked so)."""
+    lines = [
+        "| step, GPT-2 124M params on the CPU | ms per M params | GB/s (% of stream) | host B/param "
+        "| peer's time / fusedamp's: median (10th-90th percentile of rounds) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for bench, impl, label in OFFLOAD_ROWS:
+        row = _offload_row(results["rows"], bench, impl, threads)
+        if row is None:
+            continue
+        cells = []
+        for key, prefix in (("speedup", ""), ("speedup, other precision", "other precision: ")):
+            spread = row.get(f"{key} per round", {})
+            ratios = [
+                f"{_ratio(ratio)} {OFFLOAD_PEERS[peer]}"
+                + (f" ({_spread(spread[peer])})" if spread.get(peer, "n/a") != "n/a" else "")
+                for peer, ratio in row.get(key, {}).items()
+            ]
+            if ratios:
+                cells.append(prefix + ", ".join(ratios))
+        lines.append(
+            f"| {label} | {row['ms per Mparam']:.2f} | {row['gbps']:.1f} ({row['% stream']:.0f}%) "
+            f"| {row['host B/param']:.2f} | {'; '.join(cells) or '-'} |"
+        )
+    return lines
+
+
+def offload_bound_table(results: dict[str, Any]) -> list[str]:
+    """bench_offload's bound: per param, each fp32 step's time from memory, its bytes at the copy and
+    in-place stream rates of the same rounds, and its time with the data in L2."""
+    lines = [
+        "| step, fp32 | threads | from memory | bytes at copy / stream rate | in L2 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for threads in sorted({row["threads"] for row in results["rows"] if row["bench"].startswith("offload")}):
+        for bench, impl, label in OFFLOAD_ROWS:
+            row = _offload_row(results["rows"], bench, impl, threads)
+            if row is None or "bf16" in impl:
+                continue
+            lines.append(
+                f"| {label.replace(', fp32', '')} | {threads} | {row['from memory ns']:.2f} ns "
+                f"| {row['copy bound ns']:.2f} / {row['stream bound ns']:.2f} ns | {row['in L2 ns']:.2f} ns |"
+            )
+    return lines
+
+
 def render(
     results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
 ) -> list[str]:
-    """The table ``kind`` (steps, host or bound) of ``results``."""
+    """The table ``kind`` (steps, host, bound, offload or offload-bound) of ``results``."""
     if kind == "host":
         return host_table(results, threads or 1)
     if kind == "bound":
         return bound_table(results)
+    if kind == "offload":
+        return offload_table(results, threads or 1)
+    if kind == "offload-bound":
+        return offload_bound_table(results)
     return table(results, threads or 2, short)
 
 
@@ -154,8 +230,11 @@ def marker(path: str, kind: str = "steps", threads: int | None = None, short: bo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a benchmarks/results/<platform>.json")
-    parser.add_argument("--table", choices=("steps", "host", "bound"), default="steps")
-    parser.add_argument("--threads", type=int, default=None, help="default: 2 for steps, 1 for host")
+    tables = ("steps", "host", "bound", "offload", "offload-bound")
+    parser.add_argument("--table", choices=tables, default="steps")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="default: 2 for steps, 1 for host and offload"
+    )
     parser.add_argument("--short", action="store_true", help="README's rows only")
     args = parser.parse_args(argv)
     results = json.loads(Path(args.results).read_text())

@@ -238,19 +238,22 @@ def ddp_worker(rank: int, port: int, out_dir: str) -> None:
         raise
 
 
-def spawn_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[int | None]:
-    """Runs ``target(rank, port, *args, out_dir)`` in WORLD_SIZE spawned processes; their exit
-    codes."""
+def spawn_ranks(
+    target: Any, args: tuple[Any, ...], out_dir: Path, world_size: int = WORLD_SIZE,
+    timeout: float = TIMEOUT_S,
+) -> list[int | None]:
+    """Runs ``target(rank, port, *args, out_dir)`` in ``world_size`` spawned processes, each given
+    ``timeout`` seconds; their exit codes."""
     context = multiprocessing.get_context("spawn")
     port = free_port()
     processes = [
         context.Process(target=target, args=(rank, port, *args, str(out_dir)), daemon=True)
-        for rank in range(WORLD_SIZE)
+        for rank in range(world_size)
     ]
     for process in processes:
         process.start()
     for process in processes:
-        process.join(TIMEOUT_S)
+        process.join(timeout)
     for process in processes:
         if process.is_alive():
             process.kill()
@@ -261,7 +264,10 @@ def spawn_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[int |
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[str, Any]]:
+def run_ranks(
+    target: Any, args: tuple[Any, ...], out_dir: Path, world_size: int = WORLD_SIZE,
+    timeout: float = TIMEOUT_S,
+) -> list[dict[str, Any]]:
     """Each rank's saved results. A Python error in any rank fails at once with its traceback.
 
     A rank that dies without one (rarely, gloo aborts a process at teardown with "terminate
@@ -271,13 +277,13 @@ def run_ranks(target: Any, args: tuple[Any, ...], out_dir: Path) -> list[dict[st
     for attempt in range(2):
         attempt_dir = out_dir / f"attempt{attempt}"
         attempt_dir.mkdir()
-        exit_codes = spawn_ranks(target, args, attempt_dir)
+        exit_codes = spawn_ranks(target, args, attempt_dir, world_size, timeout)
         errors = sorted(attempt_dir.glob("*.error"))
         assert not errors, "\n".join(path.read_text() for path in errors)
         if all(code == 0 for code in exit_codes):
             break
     assert all(code == 0 for code in exit_codes), f"the ranks exited with {exit_codes}"
-    return [torch.load(attempt_dir / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
+    return [torch.load(attempt_dir / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
 
 
 @pytest.fixture(scope="module")

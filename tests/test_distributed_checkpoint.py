@@ -169,7 +169,7 @@ def mismatches(model: nn.Module, opt: Any, other: nn.Module, other_opt: Any) -> 
 
 
 def _bits(tensor: Tensor) -> Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
+    return tensor.detach().reshape(-1).view(torch.uint8).cpu()  # an offloaded run against one on the GPU too
 
 
 def _local(tensor: Tensor) -> Tensor:

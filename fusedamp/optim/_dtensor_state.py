@@ -123,7 +123,8 @@ def _is_per_element(key: str) -> bool:
 def dtensor_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[str, Any]:
     """The DTensor form of the state entries ``saved`` of DTensor ``param``, made from its local
     ones (plain tensors shaped like the local shard; block scales become element exponents).
-    The DTensors share memory with the local tensors (scale exponents and remainders excepted)."""
+    The DTensors share memory with the local tensors (scale exponents and remainders excepted),
+    on their device: the CPU for FSDP2's CPU-offloaded params, whose mesh is a CUDA one."""
     local_param = param.to_local()
     entries: dict[str, Any] = {}
     for key, value in saved.items():
@@ -142,10 +143,7 @@ def dtensor_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[st
                 f"{where}: state {key!r} of shape {tuple(value.shape)} for a local shard of shape "
                 f"{tuple(local_param.shape)}; expected a dense tensor shaped like the shard"
             )
-        entries[key] = _dtensor.DTensor.from_local(
-            value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-            stride=param.stride(),
-        )
+        entries[key] = _dtensor.laid_out_like(value, param)
     return entries
 
 
