@@ -20,8 +20,8 @@ Every row gives ms per million params, GB/s of the bytes its job moves, and host
 at rest (param + grad + state, measured from the tensors). The bound of each step: its bytes at
 the copy and the in-place stream (``a.add_(x)``) rates measured in the same rounds (what memory
 allows; an in-place step can pass the copy rate, which pays a write-allocate read), and its time
-per param with its data in L2 (a 16k-element tensor at one thread, the host cost of a
-256-element step subtracted: what its instructions cost; at 2 threads, half of it). Each
+per param with its data in L2 (the slope of its step time between 4k and 32k elements at one
+thread: what its instructions cost; at 2 threads, half of it). Each
 fusedamp row gets a verdict line against each same-precision peer; behind one, it splits the gap
 into what is there in L2 already (instructions) and what only memory adds (memory access).
 """
@@ -66,9 +66,10 @@ JOB_BYTES = {
 SAME_PRECISION = {("adamw", FUSEDAMP): [DEEPSPEED, TORCH_FUSED], ("sgd", FUSEDAMP): [TORCH_FUSED]}
 ADAMW = {"lr": 1e-3, "weight_decay": 1e-2}
 SGD = {"lr": 1e-3, "momentum": 0.9}
-# In L2: AdamW's four fp32 streams of 16k elements take 256 KB (Zen 4 has 1 MB of L2 per core).
-L2_ELEMENTS, HOST_ELEMENTS = 16_384, 256
-STEPS_PER_SAMPLE = {HOST_ELEMENTS: 400, L2_ELEMENTS: 200}
+# Two sizes in L2 (AdamW's four fp32 streams of 32k elements take 512 KB; Zen 4 has 1 MB per
+# core): the time per param is the slope between them, which leaves each step's host cost out.
+L2_SIZES = (4_096, 32_768)
+L2_STEPS = 100  # steps per sample
 
 
 def gpt2_shapes(vocab: int = 50257, positions: int = 1024, width: int = 768, layers: int = 12) -> list[tuple]:
@@ -141,10 +142,9 @@ def repeated(opt: torch.optim.Optimizer, steps: int) -> Callable[[], None]:
 
 
 def in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
-    """Each peer's time per param of a step on one tensor of L2_ELEMENTS at one thread, the host
-    cost (a step on HOST_ELEMENTS) subtracted: what its instructions cost, the data in L2. One
-    thread: a tensor this small is not worth waking a second (fusedamp runs it inline, the peers
-    split it), which would measure the wake-up instead."""
+    """Each peer's time per param of a step with its data in L2 at one thread: what its
+    instructions cost. One thread: tensors this small are not worth waking a second (fusedamp runs
+    them inline, the peers split them), which would time the wake-up instead."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -154,18 +154,19 @@ def in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
 
 
 def _in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
-    per_size = {}
-    for numel in (HOST_ELEMENTS, L2_ELEMENTS):
+    # Both sizes of every peer take turns in the same rounds, so that both see the same load.
+    calls, names = {}, []
+    for numel in L2_SIZES:
         shape = [(numel,)]
         fp32, bf16 = make_params(shape, torch.float32, 1), make_params(shape, torch.bfloat16, 2)
         peers = optimizers(kind, fp32, bf16, deepspeed)
-        steps = STEPS_PER_SAMPLE[numel]
-        calls = {name: repeated(opt, steps) for name, opt in peers.items()}
-        medians, _ = stable_medians(time_round_robin(calls, "cpu", rounds))
-        per_size[numel] = {name: seconds / steps for name, seconds in medians.items()}
+        names = list(peers)
+        calls.update({f"{name}, {numel}": repeated(opt, L2_STEPS) for name, opt in peers.items()})
+    medians, _ = stable_medians(time_round_robin(calls, "cpu", rounds))
+    small, large = L2_SIZES
     return {
-        name: (per_size[L2_ELEMENTS][name] - per_size[HOST_ELEMENTS][name]) / L2_ELEMENTS * 1e9
-        for name in per_size[L2_ELEMENTS]
+        name: (medians[f"{name}, {large}"] - medians[f"{name}, {small}"]) / L2_STEPS / (large - small) * 1e9
+        for name in names
     }
 
 
