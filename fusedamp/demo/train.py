@@ -232,8 +232,8 @@ def build_recipe(mode: str, model: nn.Module, device: torch.device, dtype: torch
     if mode == "fusedamp-lowmem":
         # bf16 whatever the AMP dtype (remainders complete bf16 params only); bf16 needs no scaler.
         half_model(model, torch.bfloat16, keep_norm_fp32=True)
-        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, master_weights="remainder",
-                               moments="int8", write_unscaled_grads=False)
+        optimizer = FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                               master_weights="remainder", moments="int8", write_unscaled_grads=False)
         return Recipe(model, optimizer, None, contextlib.nullcontext)
     raise ValueError(f"unknown mode {mode!r}; choose among {', '.join(MODES)}")
 
