@@ -141,7 +141,7 @@ def repeated(opt: torch.optim.Optimizer, steps: int) -> Callable[[], None]:
     return run
 
 
-def in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
+def in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float | None]:
     """Each peer's time per param of a step with its data in L2 at one thread: what its
     instructions cost. One thread: tensors this small are not worth waking a second (fusedamp runs
     them inline, the peers split them), which would time the wake-up instead."""
@@ -153,7 +153,7 @@ def in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
         torch.set_num_threads(threads)
 
 
-def _in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
+def _in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float | None]:
     # Both sizes of every peer take turns in the same rounds, so that both see the same load.
     calls, names = {}, []
     for numel in L2_SIZES:
@@ -164,10 +164,12 @@ def _in_l2_ns(kind: str, rounds: int, deepspeed: bool) -> dict[str, float]:
         calls.update({f"{name}, {numel}": repeated(opt, L2_STEPS) for name, opt in peers.items()})
     medians, _ = stable_medians(time_round_robin(calls, "cpu", rounds))
     small, large = L2_SIZES
-    return {
+    slopes = {
         name: (medians[f"{name}, {large}"] - medians[f"{name}, {small}"]) / L2_STEPS / (large - small) * 1e9
         for name in names
     }
+    # A slope at or below 0 says that other load moved one size's samples more than the work did.
+    return {name: slope if slope > 0 else None for name, slope in slopes.items()}
 
 
 def stream_peer(numel: int) -> tuple[Callable[[], object], int]:
@@ -214,8 +216,8 @@ def measure(
             "from memory ns": step / numel * 1e9,
             "copy bound ns": moved / copy_rate / numel,
             "stream bound ns": moved / stream_rate / numel,
-            # The instructions of one thread, shared by every thread.
-            "in L2 ns": l2[name] / threads,
+            # The instructions of one thread, shared by every thread (None: not measurable in this run).
+            "in L2 ns": None if l2[name] is None else l2[name] / threads,
             "fewest samples kept": kept,
         }
         row["% copy"] = 100 * row["copy bound ns"] / row["from memory ns"]
@@ -251,23 +253,25 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
         for peer, ratio in row.get("speedup", {}).items():
             label = f"{row['bench']} {row['impl']}, {row['threads']} threads"
             other = by_key[(row["bench"], row["threads"], peer)]
+            own_l2, peer_l2 = row["in L2 ns"], other["in L2 ns"]
+            in_l2 = "n/a" if own_l2 is None or peer_l2 is None else f"{own_l2:.3f} ns vs {peer_l2:.3f}"
             text = (
                 f"{label}: {ratio:.2f}x {peer} ({row['speedup per round'][peer]}); per param from memory "
                 f"{row['from memory ns']:.3f} ns vs {other['from memory ns']:.3f}; its bytes at the copy / "
                 f"in-place stream rates {row['copy bound ns']:.3f} / {row['stream bound ns']:.3f} ns "
                 f"({row['% copy']:.0f}% / {row['% stream']:.0f}% of them reached, the peer "
-                f"{other['% copy']:.0f}% / {other['% stream']:.0f}%); in L2 {row['in L2 ns']:.3f} ns vs "
-                f"{other['in L2 ns']:.3f}"
+                f"{other['% copy']:.0f}% / {other['% stream']:.0f}%); in L2 {in_l2}"
             )
             gap = row["from memory ns"] - other["from memory ns"]
-            l2_gap = row["in L2 ns"] - other["in L2 ns"]
             if ratio >= 1.0:
                 lines.append(f"{text}: ahead")
+            elif own_l2 is None or peer_l2 is None:
+                lines.append(f"{text}: behind by {gap:.3f} ns per param (in L2 not measurable in this run)")
             else:
-                in_l2 = min(max(l2_gap, 0.0), gap)
+                share = min(max(own_l2 - peer_l2, 0.0), gap) / gap
                 lines.append(
-                    f"{text}: behind by {gap:.3f} ns per param, {in_l2 / gap:.0%} of it there in L2 (its "
-                    f"instructions), {1 - in_l2 / gap:.0%} only from memory (its memory access)"
+                    f"{text}: behind by {gap:.3f} ns per param, {share:.0%} of it there in L2 (its "
+                    f"instructions), {1 - share:.0%} only from memory (its memory access)"
                 )
     return lines
 

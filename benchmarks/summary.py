@@ -186,6 +186,12 @@ def offload_table(results: dict[str, Any], threads: int = 1) -> list[str]:
     return lines
 
 
+def _ns(value: float | None) -> str:
+    """A time in ns, or n/a where the run could not measure it (None; a slope at or below 0 in
+    runs before bench_offload recorded None)."""
+    return "n/a" if value is None or value <= 0 else f"{value:.2f} ns"
+
+
 def offload_bound_table(results: dict[str, Any]) -> list[str]:
     """bench_offload's bound: per param, each fp32 step's time from memory, its bytes at the copy and
     in-place stream rates of the same rounds, and its time with the data in L2."""
@@ -200,7 +206,7 @@ def offload_bound_table(results: dict[str, Any]) -> list[str]:
                 continue
             lines.append(
                 f"| {label.replace(', fp32', '')} | {threads} | {row['from memory ns']:.2f} ns "
-                f"| {row['copy bound ns']:.2f} / {row['stream bound ns']:.2f} ns | {row['in L2 ns']:.2f} ns |"
+                f"| {row['copy bound ns']:.2f} / {row['stream bound ns']:.2f} ns | {_ns(row['in L2 ns'])} |"
             )
     return lines
 

@@ -53,8 +53,9 @@ def test_rows_compare_at_the_same_precision(results: dict) -> None:
     assert 8.0 < coded["host B/param"] < 8.1  # bf16 param, grad, remainder; int8 moments and scales
     for row in results["rows"]:
         assert row["case"] == "GPT-2 8M params, 1 threads" and row["device"] == "cpu"
-        for key in ("time_ms", "ms per Mparam", "gbps", "in L2 ns", "from memory ns", "stream bound ns"):
+        for key in ("time_ms", "ms per Mparam", "gbps", "from memory ns", "stream bound ns"):
             assert isinstance(row[key], float), key
+        assert row["in L2 ns"] is None or row["in L2 ns"] > 0  # None: other load hid the slope
     assert len(results["targets"]) == 2  # a verdict per same-precision comparison
 
 
@@ -64,4 +65,4 @@ def test_summary_renders_the_offload_tables(results: dict) -> None:
     assert table[3].startswith("| FusedAdamW, fp32 | ") and "x torch fused" in table[3]
     assert "other precision: " in table[4]
     bound = summary.render(results, "offload-bound")
-    assert len(bound) == 2 + 4 and all(line.count(" ns") == 3 for line in bound[2:])
+    assert len(bound) == 2 + 4 and all(line.count(" ns") in (2, 3) for line in bound[2:])  # n/a in L2
