@@ -1,8 +1,11 @@
 """benchmarks/bench_offload.py runs (on a GPT-2 of one block and a small vocabulary, one round,
-without DeepSpeed) and writes the rows that the runner compares and benchmarks.summary renders."""
+without DeepSpeed) and writes the rows that the runner compares and benchmarks.summary renders;
+bench_offload_loop.py's training loop runs on a tiny GPT-2 on the CPU."""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import subprocess
@@ -10,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks import bench_offload, summary
+from benchmarks import bench_offload, bench_offload_loop, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +70,25 @@ def test_summary_renders_the_offload_tables(results: dict) -> None:
     assert "other precision: " in table[4]
     bound = summary.render(results, "offload-bound")
     assert len(bound) == 2 + 4 and all(line.count(" ns") in (2, 3) for line in bound[2:])  # n/a in L2
+
+
+def test_offload_loop_gpt2_small_holds_124m_params() -> None:
+    model = bench_offload_loop.GPT2()
+    assert sum(p.numel() for p in model.parameters()) == 124_439_808
+
+
+def test_offload_loop_rows_on_a_tiny_gpt2() -> None:
+    """The GPU loop's logic, on the CPU (offload to the same device is plain copies): every case
+    has its rows, the offloaded optimizers report host bytes, the timings are consistent."""
+    args = argparse.Namespace(device="cpu", batch=2, seq=16, steps=2)
+    tiny = functools.partial(bench_offload_loop.GPT2, vocab=97, positions=16, width=64, layers=2)
+    for case, (dtype, makers) in bench_offload_loop.cases("cpu").items():
+        rows = bench_offload_loop.measure(case, dtype, makers, args, model=tiny)
+        assert {row["impl"] for row in rows} == set(makers)
+        for row in rows:
+            assert row["time_ms"] > 0 and row["step_alone_ms"] > 0 and row["fwd_bwd_ms"] > 0
+            assert row["exposed_ms"] == pytest.approx(row["time_ms"] - row["fwd_bwd_ms"])
+            offloaded = row["impl"] == "fusedamp"
+            assert (row["host_bytes_per_param"] is not None) == offloaded, row
+            if offloaded and dtype == torch.bfloat16:
+                assert row["host_bytes_per_param"] < 8.1  # remainder + int8 moments

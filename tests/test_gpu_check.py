@@ -111,6 +111,7 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         "sanitizer_memcheck",
         "sanitizer_initcheck",
         "benchmarks",
+        "demo",
     ]
     assert stages["build"]["status"] == "carried" and summary["ok"]
     assert summary["env"]["build_info"]["torch_running"] == torch.__version__
@@ -119,13 +120,16 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         assert (
             stages[name]["status"] == "passed" and tests["tests"] > 0 and tests["skipped"] == tests["tests"]
         )
-    assert all(stages[name]["status"] == "passed" for name in ("sanitizer_memcheck", "sanitizer_initcheck"))
-    assert logs["sanitizer.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
+    assert all(stages[name]["status"] == "passed"
+               for name in ("sanitizer_memcheck", "sanitizer_initcheck", "benchmarks", "demo"))
+    assert logs["tests.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
     assert "bench_gemm" in logs["benchmarks.log"]
-    # The benchmarks' results file, named for the platform, and no chart.
-    assert [path.name for path in out.glob("*.json") if path.name != "summary.json"] == [
-        json.loads(next(out.glob("cpu-*.json")).read_text())["platform"] + ".json"
-    ]
+    assert json.loads((out / "demo.json").read_text())
+    # The benchmarks' results file, named for the platform, and no chart; at most 8 files, what
+    # the device tool brings back.
+    results = [path.name for path in out.glob("*.json") if path.name not in ("summary.json", "demo.json")]
+    assert results == [json.loads(next(out.glob("cpu-*.json")).read_text())["platform"] + ".json"]
+    assert len(list(out.iterdir())) <= 8
     assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
 

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# The one script for a lent GPU, sized so that a run fits twice in a 15-minute device budget: the
-# stages share GPU_CHECK_BUDGET_S (default 330 s). The build carried from a CPU host
-# (prepare_device_build.sh; its header has the device call and the expected time of each stage)
-# is installed when its Python, torch, archs and sources match, else the extension is built for
-# 8.0;9.0a. Then the CUDA tests (optimizer/AMP tests first, then the GEMM tests, each under its
+# The one script for a lent GPU, sized so that a run and a shorter rerun fit in a 15-minute device
+# budget: the stages share GPU_CHECK_BUDGET_S (default 480 s). The build carried from a CPU host
+# (prepare_device_build.sh; its header has the device call) is installed when its Python, torch,
+# archs and sources match, else the extension is built for 8.0;9.0a; the peers carried beside it
+# (<build>/site: bitsandbytes, torchao) go on PYTHONPATH. Then the CUDA tests (optimizer/AMP tests
+# first, on 4 pytest-xdist workers where the image has xdist, then the GEMM tests, each under its
 # own timeout with Python's faulthandler dumping stacks after 60 s, so a hung mbarrier cannot eat
 # the budget, and pytest-timeout's per-test limit where the image has it), compute-sanitizer's
-# memcheck and initcheck over a small subset, then the benchmarks. A stage out of time gets
-# SIGINT (pytest writes its JUnit XML and summary) and SIGKILL 20 s later. The CPU-only tests are
-# not rerun here. GPU_CHECK_DRY_RUN=1 runs every stage's Python entry point as below but never
-# compiles nor runs the sanitizer (tests/test_gpu_check.py, on CPU, where they skip);
-# GPU_CHECK_BENCHMARKS limits the benchmarks to some modules (python -m benchmarks --only).
+# memcheck and initcheck over a small subset, the benchmarks, then the demo under a time budget.
+# A stage out of time gets SIGINT (pytest writes its JUnit XML and summary) and SIGKILL 20 s
+# later. The CPU-only tests are not rerun here. GPU_CHECK_DRY_RUN=1 runs every stage's Python
+# entry point as below but never compiles nor runs the sanitizer, and the demo only briefly
+# (tests/test_gpu_check.py, on CPU, where the tests skip); GPU_CHECK_BENCHMARKS limits the
+# benchmarks to some modules (python -m benchmarks --only); GPU_CHECK_STAGES to some stages
+# (e.g. "cuda_tests,benchmarks", for a rerun).
 # Everything lands in $OUT, at most 8 files (what the device tool brings back): summary.json
 # (environment + per-stage status, always written, also when a stage fails), build.log,
-# tests.log, cuda_tests.xml, gemm_tests.xml, sanitizer.log, benchmarks.log and the benchmarks'
-# <platform>.json (e.g. cuda-h200.json: commit it as benchmarks/results/<platform>.json).
+# tests.log (tests and sanitizer), cuda_tests.xml, gemm_tests.xml, benchmarks.log (benchmarks and
+# demo), demo.json and the benchmarks' <platform>.json (e.g. cuda-h200.json: commit it as
+# benchmarks/results/<platform>.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -22,7 +26,8 @@ mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0a}" FUSEDAMP_CUDA=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
-BUDGET_S="${GPU_CHECK_BUDGET_S:-330}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+STAGES_WANTED="${GPU_CHECK_STAGES:-}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 CARRIED="${GPU_CHECK_CARRIED_BUILD:-.device_build}"
 START=$(date +%s)
@@ -97,6 +102,9 @@ trap write_summary EXIT
 stage() {
   local name=$1 cap=$2 log=$3
   shift 3
+  if [[ -n "$STAGES_WANTED" && ",$STAGES_WANTED," != *",$name,"* ]]; then
+    return 0
+  fi
   local left=$(( BUDGET_S - ($(date +%s) - START) - 10 ))
   local limit=$(( cap < left ? cap : left ))
   if (( limit < 20 )); then
@@ -120,6 +128,8 @@ stage() {
 PYTEST=("$PYTHON" -u -m pytest -v --durations=25 -m cuda -o faulthandler_timeout=60
         --continue-on-collection-errors -p no:cacheprovider)
 if "$PYTHON" -c "import pytest_timeout" 2> /dev/null; then PYTEST+=(--timeout=120); fi
+WORKERS=()
+if "$PYTHON" -c "import xdist" 2> /dev/null; then WORKERS=(-n 4 --dist loadfile); fi
 
 # The carried build, when it matches and imports (a host with a newer glibc could make one that
 # does not); else the build below replaces what was installed.
@@ -139,10 +149,15 @@ else
   fi
 fi
 
+# The benchmarks' peers, carried as an unpacked site folder (the device has no package index).
+if [[ -d "$CARRIED/site" ]]; then
+  export PYTHONPATH="$(cd "$CARRIED/site" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
 status=0
-stage cuda_tests 100 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/cuda_tests.xml" \
-  --ignore=tests/test_gemm_cuda.py tests || status=1
-stage gemm_tests 50 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
+stage cuda_tests 150 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
+  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py tests || status=1
+stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
   tests/test_gemm_cuda.py || status=1
 
 # memcheck without the caching allocator (every tensor its own allocation, so it sees bounds);
@@ -155,13 +170,13 @@ for tool in memcheck initcheck; do
   elif [[ -n "$SANITIZER" ]]; then
     sanitize=("$SANITIZER" --tool "$tool" --error-exitcode 1 --print-limit 20)
   else
-    echo "gpu_check: no compute-sanitizer in this toolkit" >> "$OUT/sanitizer.log"
+    echo "gpu_check: no compute-sanitizer in this toolkit" >> "$OUT/tests.log"
     record "sanitizer_$tool" unsupported 0 0
     continue
   fi
-  if ! stage "sanitizer_$tool" 50 "$OUT/sanitizer.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+  if ! stage "sanitizer_$tool" 45 "$OUT/tests.log" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
       ${sanitize[@]+"${sanitize[@]}"} "$PYTHON" -u -m tools.sanitizer_subset; then
-    if grep -q "Device not supported" "$OUT/sanitizer.log"; then
+    if grep -q "Device not supported" "$OUT/tests.log"; then
       # Some sandboxes (gVisor) refuse the sanitizer: not a finding about fusedamp.
       sed -i '$ s/\tfailed\t/\tunsupported\t/' "$STAGES"
     else
@@ -172,7 +187,11 @@ done
 
 only=()
 if [[ -n "${GPU_CHECK_BENCHMARKS:-}" ]]; then only=(--only "$GPU_CHECK_BENCHMARKS"); fi
-stage benchmarks 70 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks --timeout 60 ${only[@]+"${only[@]}"} \
+stage benchmarks 150 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks --timeout 100 ${only[@]+"${only[@]}"} \
   --results-dir "$OUT" || status=1
+# The demo's speedups over fp32 (fusedamp's and torch AMP's), on its synthetic data.
+demo=(--time-budget 45)
+if (( DRY_RUN )); then demo=(--modes fp32 --epochs 1 --batch-size 32 --train-size 64 --test-size 32); fi
+stage demo 60 "$OUT/benchmarks.log" "$PYTHON" -u -m fusedamp.demo "${demo[@]}" --json "$OUT/demo.json" || status=1
 echo "gpu_check: total $(( $(date +%s) - START )) s"
 exit "$status"
