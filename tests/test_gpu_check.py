@@ -6,6 +6,7 @@ matching that decides whether it installs the build carried from a CPU host."""
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import re
 import shutil
@@ -57,6 +58,12 @@ def test_carried_build_is_used_only_when_python_torch_archs_and_sources_match(tm
         "_C.cpython-312-x86_64-linux-gnu.so",
         "_build_meta.py",
     ]
+    # The library compressed, as prepare_device_build.sh carries it: installed decompressed.
+    library = folder / "_C.cpython-312-x86_64-linux-gnu.so"
+    (folder / (library.name + ".xz")).write_bytes(lzma.compress(b"\x7fELF compressed"))
+    library.unlink()
+    assert device_build.install(str(folder), ARCHS, str(root)) is None
+    assert (root / "fusedamp" / library.name).read_bytes() == b"\x7fELF compressed"
 
 
 def test_source_digest_covers_every_file_the_build_compiles() -> None:

@@ -1,6 +1,8 @@
 """The fusedamp build carried to a lent GPU: made on a CPU host by prepare_device_build.sh for the
 device image's Python, torch and CUDA archs, installed by gpu_check.sh only when all three and the
-sources it was built from match what the device has (else gpu_check.sh builds there).
+sources it was built from match what the device has (else gpu_check.sh builds there). The library
+travels xz-compressed (``_C.*.so.xz``: every CPU ISA and two CUDA archs strip to ~70 MiB, over what
+the device tool carries, and compress ~8x); a plain ``_C.*.so`` is accepted too.
 
     python -m tools.device_build manifest --folder .device_build --archs "8.0;9.0a"
     python -m tools.device_build install --folder .device_build --archs "8.0;9.0a"
@@ -12,6 +14,7 @@ import argparse
 import glob
 import hashlib
 import json
+import lzma
 import os
 import platform
 import shutil
@@ -67,8 +70,8 @@ def mismatch(folder: str, archs: str, root: str = ROOT) -> str | None:
         return f"no carried build ({path} does not exist)"
     with open(path) as f:
         carried = json.load(f)
-    if not glob.glob(os.path.join(folder, "_C.*.so")):
-        return f"{folder} holds no _C.*.so"
+    if not libraries(folder):
+        return f"{folder} holds no _C.*.so or _C.*.so.xz"
     here = environment(archs, root)
     for key, value in here.items():
         if carried.get(key) != value:
@@ -76,14 +79,26 @@ def mismatch(folder: str, archs: str, root: str = ROOT) -> str | None:
     return None
 
 
+def libraries(folder: str) -> list[str]:
+    return glob.glob(os.path.join(folder, "_C.*.so")) + glob.glob(os.path.join(folder, "_C.*.so.xz"))
+
+
 def install(folder: str, archs: str, root: str = ROOT) -> str | None:
-    """Copies the carried _C and its _build_meta.py into root/fusedamp when they match; returns
-    the mismatch otherwise (and copies nothing)."""
+    """Copies (or decompresses) the carried _C and its _build_meta.py into root/fusedamp when they
+    match; returns the mismatch otherwise (and copies nothing)."""
     reason = mismatch(folder, archs, root)
     if reason is not None:
         return reason
-    for path in glob.glob(os.path.join(folder, "_C.*.so")) + [os.path.join(folder, "_build_meta.py")]:
-        shutil.copy2(path, os.path.join(root, "fusedamp", os.path.basename(path)))
+    package = os.path.join(root, "fusedamp")
+    for path in libraries(folder):
+        target = os.path.join(package, os.path.basename(path).removesuffix(".xz"))
+        if path.endswith(".xz"):
+            with lzma.open(path) as source, open(target, "wb") as out:
+                shutil.copyfileobj(source, out)
+            os.chmod(target, 0o755)
+        else:
+            shutil.copy2(path, target)
+    shutil.copy2(os.path.join(folder, "_build_meta.py"), os.path.join(package, "_build_meta.py"))
     return None
 
 

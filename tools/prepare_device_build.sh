@@ -3,24 +3,28 @@
 # spends its device time on tests instead of a ~200 s build: a venv with the device's Python 3.12
 # and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
 # every CPU kernel build (FUSEDAMP_CPU_ISAS=all: the device's CPU is not this one),
-# debug info stripped (the device tool carries at most 64 MiB), into .device_build/ (ignored by
-# git) with a manifest of Python, torch, archs and a digest of the sources (tools/device_build.py).
+# debug info stripped and xz-compressed (the device tool carries at most 64 MiB), into
+# .device_build/ (ignored by git) with a manifest of Python, torch, archs and a digest of the
+# sources (tools/device_build.py).
 #
 #   bash tools/prepare_device_build.sh    # then commit, and call the device with:
 #   run(command="bash tools/gpu_check.sh", carry=[".device_build"], timeout_s=360)
 #
 # gpu_check.sh installs the carried build only when the device's Python, torch and archs and the
 # checkout's sources match the manifest, and builds there otherwise (the log says why). Rebuild here
-# after any change under csrc/, setup.py or fusedamp/_cuda_archs.py.
+# after any change under csrc/, setup.py or fusedamp/_cuda_archs.py. The benchmarks' peers that the
+# device's image lacks (bitsandbytes, torchao) are unpacked beside the build, into site/, trimmed
+# to what their optimizers load (bitsandbytes' CUDA 13.0 library; no torchao GEMM libraries), so
+# that build and peers stay well under the 64 MiB the device tool carries.
 #
-# Measured here (2 cores shared with four other builds, load ~8): the venv and torch install
-# 127 s the first time (seconds after); the build 33 min wall cold under nice (6.9 min of CPU),
-# less with ccache and ninja warm (only changed sources recompile: build/device-src is kept); the
-# stripped _C is 21.4 MiB. Stage caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=330
-# by default): carried build installed in ~10 s (else the build, up to 300 s, leaves little
-# else), CUDA tests 100 s, GEMM tests 50 s, memcheck 50 s, initcheck 50 s, benchmarks 70 s. These
-# are caps, not measurements (no GPU run yet): at most 330 s a run, so a first run after a
-# machine start of ~3 min and a warm rerun fit in 15 minutes together.
+# Measured here (2 idle cores): the venv and torch install ~1 min the first time (seconds after);
+# the build 18 min wall cold, less with ninja warm (only changed sources recompile:
+# build/device-src is kept); the stripped _C is 71 MiB, 8 MiB compressed, the trimmed peers
+# 11 MiB. Stage caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried
+# build installed in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 150 s,
+# GEMM tests 60 s, memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run after
+# a machine start of ~2 min leaves time for a rerun of some stages (GPU_CHECK_STAGES) in a
+# 15-minute budget.
 # Environment: DEVICE_VENV (default /work/venvs/device-py312), DEVICE_PYTHON (an interpreter of
 # the device's Python version, default pyenv's 3.12), DEVICE_TORCH (2.11.0), DEVICE_BUILD (.device_build).
 set -euo pipefail
@@ -54,8 +58,13 @@ rm -rf "$FOLDER"
 mkdir -p "$FOLDER"
 for library in "$STAGING"/fusedamp/_C.cpython-*.so; do
   strip --strip-debug -o "$FOLDER/$(basename "$library")" "$library"
+  xz -T0 -6 "$FOLDER/$(basename "$library")"
 done
 cp "$STAGING/fusedamp/_build_meta.py" "$FOLDER/"
 # The digest of the sources that were built (the staging copy), whatever changed here since.
 "$VENV/bin/python" -m tools.device_build manifest --folder "$FOLDER" --archs "$ARCHS" --root "$STAGING"
+"$VENV/bin/python" -m pip install --quiet --no-deps --no-compile --target "$FOLDER/site" \
+  bitsandbytes==0.50.2 torchao==0.18.0
+find "$FOLDER/site/bitsandbytes" -name 'libbitsandbytes_*.so' ! -name '*cuda130*' ! -name '*_cpu*' -delete
+rm -rf "$FOLDER/site/test" "$FOLDER/site"/torchao/_C*.so
 du -sh "$FOLDER"/*
