@@ -761,8 +761,10 @@ class OptimizerSample:
         if self.moments == "bf16":
             return [state.to(torch.bfloat16) for state in states], None
         if self.moments == "int8":
-            pairs = [torch.ops.fusedamp.encode_state(state, signed) for state in states]
-            return [codes for codes, _ in pairs], [scales for _, scales in pairs]
+            # encode_state is a CPU op (the optimizers encode on the host too): codes made there.
+            pairs = [torch.ops.fusedamp.encode_state(state.cpu(), signed) for state in states]
+            device = states[0].device if states else torch.device("cpu")
+            return [codes.to(device) for codes, _ in pairs], [scales.to(device) for _, scales in pairs]
         return states, None
 
 

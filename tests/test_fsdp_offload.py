@@ -740,8 +740,14 @@ def test_offload_on_nccl(tmp_path: Path) -> None:
                 "params": ["cpu"], "grads": ["cpu"], "state": ["cpu"], "state_dict": ["cpu"],
                 "state_dict_mesh": ["cuda"],
             }, name
-            reductions = ["cpu"] if name == "torch-scaler" else ["cuda", "cuda"]
-            assert run["calls"] == [{"checks": 1, "all_reduces": reductions}] * STEPS, name
+            if name == "torch-scaler":
+                # torch's own found_inf reduction, one per step, on the device torch picks (the
+                # CPU in the gloo tests here; the GPU with torch 2.11 on one H200).
+                assert len(run["calls"]) == STEPS, name
+                assert all(call["checks"] == 1 and len(call["all_reduces"]) == 1
+                           for call in run["calls"]), name
+            else:
+                assert run["calls"] == [{"checks": 1, "all_reduces": ["cuda", "cuda"]}] * STEPS, name
             for step, (norm, expected) in enumerate(zip(run["norms"], run["expected_norms"], strict=True)):
                 if step != OVERFLOW_STEP:
                     assert norm == pytest.approx(expected, rel=1e-5), name

@@ -411,7 +411,7 @@ def test_cuda_matches_cpu(fused_cls, torch_cls, name, options, dtype, master_wei
     initial = random_tensors(SIZES + [1 << 20], dtype, generator)
     runs = {}
     for device in ("cpu", "cuda"):
-        params = [t.to(device).requires_grad_() for t in initial]
+        params = [t.clone().to(device).requires_grad_() for t in initial]
         opt = fused_cls(params, **options, master_weights=master_weights)
         grads = torch.Generator().manual_seed(8)
         for _ in range(20):

@@ -42,6 +42,7 @@ hooks copy nothing: step() copies the reduced grads, chunk by chunk as it steps.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import queue
 import threading
@@ -128,6 +129,18 @@ def _host_layout(param: Tensor) -> tuple[torch.Size, tuple[int, ...]]:
     return param.shape, tuple(reversed(strides))
 
 
+def _page_aligned(nbytes: int) -> Tensor:
+    """``nbytes`` of host memory starting on a page, in a tensor whose storage starts there too:
+    torch's ``is_pinned()`` asks CUDA about a storage's first byte, which must lie in the range
+    that cudaHostRegister locks (a slice of a larger tensor would report unpinned memory)."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    if nbytes == 0:
+        return raw[:0]
+    window = (ctypes.c_char * nbytes).from_address(raw.data_ptr() + (-raw.data_ptr() % _PAGE))
+    window.owner = raw  # the tensor below holds the window, the window holds the memory
+    return torch.frombuffer(window, dtype=torch.uint8)
+
+
 class _HostBuffers:
     """Host tensors carved out of few allocations, page-locked (``cudaHostRegister``) when they
     are copied to and from a GPU; ``blocks`` are the allocations, ``registered`` their pinned
@@ -144,9 +157,7 @@ class _HostBuffers:
         for shape, _, dtype in specs:
             offsets.append(total)
             total += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-        raw = torch.empty(total + _PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % _PAGE
-        block = raw[start : start + total]
+        block = _page_aligned(total)
         self.blocks.append(block)
         if self.pin and total:
             self._register(block)
