@@ -211,10 +211,86 @@ def offload_bound_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def gpu_bandwidth_table(results: dict[str, Any]) -> list[str]:
+    """The GPU's memory-bound ops: time, GB/s and % of the copy bandwidth measured in the same
+    run, and torch's time over fusedamp's where torch has the op."""
+    lines = [
+        "| op | dtype | ms | GB/s | % of copy | torch's time / fusedamp's |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["rows"]:
+        fusedamp = row["impl"].startswith("fusedamp")
+        if row.get("device") != "cuda" or "fraction_of_ceiling_gbps" not in row or not fusedamp:
+            continue
+        versus = next((v for k, v in row.items() if k.startswith("vs torch")), None)
+        lines.append(
+            f"| {row['impl'].removeprefix('fusedamp ')} | {row['case']} | {row['time_ms']:.3f} "
+            f"| {row['gbps']:,.0f} | {100 * row['fraction_of_ceiling_gbps']:.0f}% "
+            f"| {_ratio(versus) if versus else 'no torch op'} |"
+        )
+    return lines
+
+
+def gemm_table(results: dict[str, Any]) -> list[str]:
+    """bench_gemm's rows: torch.matmul's TFLOP/s and each fusedamp kernel's share of it."""
+    lines = [
+        "| shape | dtype | torch TFLOP/s | wgmma | mma.sync | with bias + GELU: torch | wgmma | mma.sync |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [r for r in results["rows"] if r["bench"] == "gemm"]
+    for case in dict.fromkeys(r["case"] for r in rows if not r["case"].endswith("+bias+gelu")):
+        cells = []
+        for variant in (case, case + " +bias+gelu"):
+            torch_row = _find(rows, "gemm", variant, "torch")
+            cells.append(f"{torch_row['tflops']:.0f}")
+            for impl in ("fusedamp", "fusedamp-mma_sync"):
+                cells.append(f"{_find(rows, 'gemm', variant, impl)['tflops'] / torch_row['tflops']:.2f}x")
+        shape, dtype = case.rsplit(" ", 1)
+        lines.append(f"| {shape} | {dtype} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def offload_loop_table(results: dict[str, Any]) -> list[str]:
+    """bench_offload_loop's rows: the training step, its optimizer share, host bytes per param."""
+    lines = [
+        "| training step | optimizer | ms per step | forward + backward | step alone | exposed "
+        "| host B/param |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in results["rows"]:
+        if row["bench"] != "offload-loop":
+            continue
+        host = row.get("host_bytes_per_param")
+        lines.append(
+            f"| {row['case']} | {row['impl']} | {row['time_ms']:.1f} | {row['fwd_bwd_ms']:.1f} "
+            f"| {row['step_alone_ms']:.1f} | {row['exposed_ms']:.1f} | {f'{host:.2f}' if host else '-'} |"
+        )
+    return lines
+
+
+def demo_table(results: dict[str, Any]) -> list[str]:
+    """The demo's speedups over fp32, optimizer steps and test accuracies."""
+    lines = [
+        "| demo mode | speedup over fp32 | optimizer step (ms) | test accuracy |",
+        "| --- | --- | --- | --- |",
+    ]
+    for mode in results["demo"]["modes"]:
+        lines.append(
+            f"| {mode['mode']} | {mode['speedup_vs_fp32']:.2f}x | {mode['optimizer_step_ms']:.2f} "
+            f"| {100 * mode['accuracy']:.2f}% |"
+        )
+    return lines
+
+
 def render(
     results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
 ) -> list[str]:
-    """The table ``kind`` (steps, host, bound, offload or offload-bound) of ``results``."""
+    """The table ``kind`` (steps, host, bound, offload, offload-bound; on a GPU: gpu-bandwidth,
+    gemm, offload-loop, demo) of ``results``."""
+    gpu_tables = {"gpu-bandwidth": gpu_bandwidth_table, "gemm": gemm_table,
+                  "offload-loop": offload_loop_table, "demo": demo_table}
+    if kind in gpu_tables:
+        return gpu_tables[kind](results)
     if kind == "host":
         return host_table(results, threads or 1)
     if kind == "bound":
@@ -236,7 +312,8 @@ def marker(path: str, kind: str = "steps", threads: int | None = None, short: bo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a benchmarks/results/<platform>.json")
-    tables = ("steps", "host", "bound", "offload", "offload-bound")
+    tables = ("steps", "host", "bound", "offload", "offload-bound",
+              "gpu-bandwidth", "gemm", "offload-loop", "demo")
     parser.add_argument("--table", choices=tables, default="steps")
     parser.add_argument(
         "--threads", type=int, default=None, help="default: 2 for steps, 1 for host and offload"

@@ -64,7 +64,8 @@ def test_readme_is_short_and_puts_install_and_quick_start_first() -> None:
     assert len(lines) <= 200 and len(text.encode()) <= 12 * 1024, (len(lines), len(text.encode()))
     assert any(line.startswith("pip install") for line in lines[:40]), "pip install within 40 lines"
     assert any(line.startswith("```python") for line in lines[:60]), "a Python block within 60 lines"
-    assert "not yet run on a GPU" in "\n".join(lines[:12]), "the status near the top"
+    top = "\n".join(lines[:12])
+    assert "**Status.**" in top and "GPU" in top, "the status (CPU and GPU) near the top"
 
 
 def test_pyproject_long_description_is_the_readme() -> None:

@@ -24,7 +24,9 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0;9.0a}" FUSEDAMP_CUDA=1
+# The archs of the carried build, whatever the image sets: the H200 image exports
+# TORCH_CUDA_ARCH_LIST=9.0a, which refused the carried 8.0;9.0a build and cost a whole build there.
+export TORCH_CUDA_ARCH_LIST="${GPU_CHECK_ARCHS:-8.0;9.0a}" FUSEDAMP_CUDA=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
 BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
 STAGES_WANTED="${GPU_CHECK_STAGES:-}"
