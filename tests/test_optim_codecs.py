@@ -96,7 +96,7 @@ def test_every_isa_build_and_thread_count_gives_the_same_bits(
 
 
 def test_stochastic_rounding_of_non_finite_and_overflowing_values_is_the_same_on_every_isa_build() -> None:
-    """The vector stochastic bf16 rounding (cpu/staging.h) takes float_to_bf16's rounding for
+    """The vector stochastic bf16 rounding (cpu/blocks.h) takes float_to_bf16's rounding for
     NaN and inf, and an update near bf16's largest value may round up to inf: every ISA build
     must store the bits of the element function (the baseline build), NaN payloads included."""
     values = torch.randn(1000, generator=torch.Generator().manual_seed(3))

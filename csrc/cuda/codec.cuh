@@ -1,6 +1,6 @@
-// The CUDA side of [note: block staging] (cpu/staging.h): a thread's E consecutive elements of an
-// optimizer state loaded as fp32 through the call's codec (math/codec.h) and stored back, the
-// scale of each 8-bit block reduced over the threads that share it.
+// The CUDA side of [note: block staging] (cpu/blocks.h), the twin of cpu/codec.h: a thread's E
+// consecutive elements of an optimizer state loaded as fp32 through the call's codec (math/codec.h)
+// and stored back, the scale of each 8-bit block reduced over the threads that share it.
 #pragma once
 
 #include "cuda/multi_tensor_apply.cuh"

@@ -2,7 +2,7 @@
 // math/adamw.h, and the driver that runs it.
 #include "ops/adamw.h"
 
-#include "cpu/staging.h"
+#include "cpu/blocks.h"
 #include "fusedamp/dispatch.h"
 
 namespace fusedamp::cpu {

@@ -1,8 +1,8 @@
 // CPU kernels of encode_state and decode_state (built once per ISA, see setup.py): block loops
-// over the vector codes of cpu/staging.h, run in parallel by the drivers.
+// over the vector codes of cpu/codec.h, run in parallel by the drivers.
 #include "ops/codec.h"
 
-#include "cpu/staging.h"
+#include "cpu/codec.h"
 
 namespace fusedamp::cpu {
 inline namespace FUSEDAMP_ISA {

@@ -2,7 +2,7 @@
 // and the driver that runs it.
 #include "ops/sgd.h"
 
-#include "cpu/staging.h"
+#include "cpu/blocks.h"
 #include "fusedamp/dispatch.h"
 
 namespace fusedamp::cpu {
