@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,8 +24,15 @@ from fusedamp import _C
 from fusedamp._layout import KERNEL_DTYPES
 from fusedamp.optim._step import Bucket, on_device
 
-if TYPE_CHECKING:
-    from fusedamp.optim._base import FusedOptimizer
+
+class PlannedOptimizer(Protocol):
+    """What a plan reads of its optimizer (a ``fusedamp.optim._base.FusedOptimizer``)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+    _call_options: frozenset[str]
+
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]: ...
 
 # Tensor types that are never a DTensor: the plan takes them as they are.
 PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
@@ -53,7 +60,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def group_signature(optimizer: FusedOptimizer, group: dict[str, Any]) -> tuple[Any, ...]:
+def group_signature(optimizer: PlannedOptimizer, group: dict[str, Any]) -> tuple[Any, ...]:
     """What the buckets of ``group`` depend on: its state keys and every option that the op does
     not read at each call (``optimizer._call_options``)."""
     live = optimizer._call_options
@@ -73,7 +80,7 @@ class StepPlan:
     True
     """
 
-    def __init__(self, optimizer: FusedOptimizer, buckets: list[Bucket]) -> None:
+    def __init__(self, optimizer: PlannedOptimizer, buckets: list[Bucket]) -> None:
         self.buckets = buckets
         self.state = optimizer.state
         self.groups = [
@@ -102,7 +109,7 @@ class StepPlan:
             bucket.grads_from_params = True
 
     @classmethod
-    def build(cls, optimizer: FusedOptimizer, buckets: list[Bucket]) -> StepPlan | None:
+    def build(cls, optimizer: PlannedOptimizer, buckets: list[Bucket]) -> StepPlan | None:
         """The plan of ``buckets`` (just made by ``optimizer._buckets()``), or None when some
         bucket steps copies or views of the user's tensors, which are made anew each step (or a
         group's params are not a list, which the plan watches)."""
@@ -118,7 +125,7 @@ class StepPlan:
                     return None
         return cls(optimizer, buckets)
 
-    def fits(self, optimizer: FusedOptimizer) -> bool:
+    def fits(self, optimizer: PlannedOptimizer) -> bool:
         """Whether the buckets are still those ``optimizer._buckets()`` would make now."""
         if optimizer.state is not self.state or len(optimizer.param_groups) != len(self.groups):
             return False
