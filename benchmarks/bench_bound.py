@@ -7,7 +7,7 @@ A step's time per element in L2 (a 64k-element fp32 param, ~1 MB with its grad a
 what its instructions cost; from memory (16.8M elements) it adds the wait for its bytes. The
 host cost of a step (the same step on 256 elements) is subtracted from both. A step whose in-L2
 time is near or above a peer's time from memory cannot catch that peer by moving fewer bytes:
-it is bound by its instructions (issue 21 asks for such a bound where a row stays under 1.0x).
+it is bound by its instructions (the bound to show where a row stays under 1.0x).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ GradScaler (fusedamp.GradScaler for fusedamp, torch.amp.GradScaler for torch).
 Run from the repository root: python -m benchmarks.bench_host [--device cpu] [--json PATH]
 
 Each step is preceded, as in training, by fresh grads (new tensors, as backward makes after
-zero_grad(set_to_none=True)); making them is outside the timed call. Issue 21's target: a
+zero_grad(set_to_none=True)); making them is outside the timed call. The target: a
 fusedamp step at most 0.6x the time of torch's, at 200 and at 2000 params.
 """
 

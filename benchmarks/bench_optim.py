@@ -7,7 +7,7 @@ Run from the repository root: python -m benchmarks.bench_optim [--device cpu] [-
 Each step is timed plain and "scaled", as a GradScaler drives it (grad_scale and found_inf
 set; torch's foreach path unscales the grads first, as torch.amp.GradScaler does for it). A
 scaled fusedamp step either writes the unscaled grads back (the default) or not
-(write_unscaled_grads=False). Effective GB/s counts the bytes the job needs (DESIGN.md):
+(write_unscaled_grads=False). Effective GB/s counts the bytes the job needs:
 AdamW reads p, g, m, v and writes p, m, v (28 B/param for fp32, and for half params with an
 fp32 master: g 2 + master 4 + m + v in, master + m + v + param 2 out); SGD with momentum
 needs 20 B/param; a grad write-back adds the grad's bytes. The O2 recipe moves more bytes for
@@ -16,7 +16,7 @@ tensor, as a user writes it, and on flat buffers (one copy and one fused step ov
 as Apex and Megatron keep them); DeepSpeedCPUAdam's recipe is the per-tensor one with its step.
 DeepSpeedCPUAdam is an optional peer: its rows appear when ``deepspeed`` is importable.
 
-The coded modes (issue 20) are AdamW rows of their own: int8 (8-bit block codes) or bf16
+The coded modes (low-memory state) are AdamW rows of their own: int8 (8-bit block codes) or bf16
 moments, for fp32 params, bf16 params with fp32 / remainder masters, and stochastically rounded
 bf16 params without a master. Their bytes per param (CODED_JOB_BYTES) count 1 byte per int8
 moment element read and written (the scales add 1/64 of a byte); each row also reports the bytes
@@ -57,14 +57,14 @@ JOB_BYTES = {"adamw": 28, "sgd": 20}
 OPTIONS = {"adamw": {"lr": 1e-3}, "sgd": {"lr": 1e-3, "momentum": 0.9}}
 TORCH_CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 FUSED_CLASSES = {"adamw": FusedAdamW, "sgd": FusedSGD}
-# Targets on a 2-core CPU with all threads (issue 10): fusedamp over its peer.
+# The speed targets on a 2-core CPU with all threads: fusedamp over its peer.
 TARGETS = {
     ("adamw", "fp32"): {"torch fused": 1.35, "deepspeed": 1.2},
     ("adamw", "half"): {"torch O2 recipe, flat": 1.4, "torch O2 recipe": 2.0},
     ("sgd", "fp32"): {"torch fused": 1.2},
     ("sgd", "half"): {"torch O2 recipe": 1.5},
 }
-# The coded rows (issue 20): bytes a param moves (read + written), and the targets over peers.
+# The coded rows: bytes a param moves (read + written), and the targets over peers.
 CODED_JOB_BYTES = {
     ("fp32", "fusedamp int8 moments"): 16,  # p 4+4, g 4, m 1+1, v 1+1
     ("fp32", "fusedamp bf16 moments"): 20,
@@ -403,7 +403,7 @@ def main() -> None:
 
 
 def target_checks(rows: list[dict[str, Any]]) -> list[str]:
-    """The fusedamp rows at the most threads against issue 10's targets: speedups over the named
+    """The fusedamp rows at the most threads against the speed targets: speedups over the named
     peers (plain steps; bf16 remainder too), the fraction of the in-place stream ceiling, and
     the speedup over one thread."""
     most = max(row["threads"] for row in rows)
@@ -446,7 +446,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def thread_scaling_verdict(one: dict[str, Any], most: dict[str, Any]) -> str:
-    """Issue 10's scaling target: all threads >= THREAD_SCALING x one thread, where the in-place
+    """The scaling target: all threads >= THREAD_SCALING x one thread, where the in-place
     stream measured next to each row scales that much itself (else the machine cannot)."""
     speedup = one["ms/step"] / most["ms/step"]
     stream_scaling = most["stream GB/s"] / one["stream GB/s"]

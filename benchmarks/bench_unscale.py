@@ -36,7 +36,7 @@ TORCH = "torch unscale"
 STREAM = "stream a.mul_(s)"
 # Passes over the grad bytes each op makes: unscale reads and writes, the checks only read.
 PASSES = {"fusedamp unscale_": 2, TORCH: 2, "fusedamp check (read-only)": 1, "fusedamp check + norm": 1}
-# Issue 10's targets, as speedups over torch's unscale at the most threads.
+# The speed targets, as speedups over torch's unscale at the most threads.
 TARGETS = {"fusedamp unscale_": 1.2, "fusedamp check (read-only)": 1.5}
 
 

@@ -1,4 +1,4 @@
-"""The 8-bit optimizers on Transformer Engine's aggressive-settings protocol (issue 20): how far
+"""The 8-bit optimizers on Transformer Engine's aggressive-settings protocol: how far
 each one's fp32 params (fusedamp: its masters) stray from torch.optim.Adam in fp32, in multiples
 of TE's tolerance (rtol = atol = 1e-2), step by step.
 

@@ -1,4 +1,4 @@
-"""Convergence of the coded optimizer modes (issue 20) on real text: a small byte-level transformer
+"""Convergence of the coded optimizer modes on real text: a small byte-level transformer
 language model trained on the Python standard library's own source files (present on every
 machine with Python), fp32 AdamW against each new mode, and plain bf16 params without a master
 as the control, over several seeds.

@@ -56,7 +56,6 @@ def build_info() -> dict[str, Any]:
         "cpu_isas_built": list(_build_meta.CPU_ISAS),
         # Threads the CPU ops really use: torch.get_num_threads() unless OpenMP was lost.
         "cpu_threads": _C.parallel_for_threads(),
-        # The L3 the CPU optimizers compare a call's bytes with (csrc/cpu/staging.h, streaming
-        # param stores).
+        # The L3 this CPU's cores share (csrc/cpu/isa.h).
         "cpu_cache_bytes": _C.last_level_cache_bytes(),
     }

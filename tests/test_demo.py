@@ -475,7 +475,7 @@ def test_plan_keeps_the_full_run_when_it_fits():
 
 @pytest.mark.parametrize("seconds, epochs", [(20.0, 1), (60.0, 2), (120.0, 3)])
 def test_plan_shrinks_an_avx2_run_into_the_budget(seconds, epochs):
-    # An AVX2-only CPU: bf16 autocast ~12x slower than fp32 (the 2-core EPYC: 300 vs 26 samples/s).
+    # An AVX2-only CPU: bf16 autocast ~12x slower than fp32 (a 2-core EPYC: 300 vs 26 samples/s).
     fp32, amp = budget.Speed(1 / 300, 1 / 900), budget.Speed(1 / 26, 1 / 80)
     speeds = {"fp32": fp32, "torch-amp": amp, "fusedamp": amp, "fusedamp-o2": amp}
     plan = budget.plan_run(speeds, seconds, 3, 11904, 2000, 128, False)

@@ -1,7 +1,7 @@
 """Coded optimizer states over long runs: a bf16 or 8-bit moment (or momentum buffer) must track
 its fp32 value for 10^4 steps, not only for the few steps a unit test usually takes.
 
-Each run is measured as the issue-style projection of the params' displacement on the fp32
+Each run is measured as the projection of the params' displacement on the fp32
 optimizer's displacement: sum(d * d_ref) / sum(d_ref^2), 1.0 when the steps are the same. Round to
 nearest froze the second moment (a change of (1 - beta2) of its distance to g^2 is far below half a
 code step): the int8 run then moved 2.5x as far as AdamW after 3000 steps. Every config lives in

@@ -171,7 +171,7 @@ def test_fp32_master_rule_on_every_half_param(cpu_isa, dtype) -> None:
 
 
 def test_clamped_bf16_params_stay_clamped_like_torch() -> None:
-    """The issue's measurement: clamp to 0.01 after a step, one more step with lr 1e-3."""
+    """A clamp to 0.01 after a step, then one more step with lr 1e-3."""
     torch.manual_seed(0)
     results = {}
     for name, cls in (("torch", torch.optim.AdamW), ("fusedamp", FusedAdamW)):

@@ -17,14 +17,13 @@
 # to what their optimizers load (bitsandbytes' CUDA 13.0 library; no torchao GEMM libraries), so
 # that build and peers stay well under the 64 MiB the device tool carries.
 #
-# Measured here (2 idle cores): the venv and torch install ~1 min the first time (seconds after);
-# the build 18 min wall cold, less with ninja warm (only changed sources recompile:
-# build/device-src is kept); the stripped _C is 71 MiB, 8 MiB compressed, the trimmed peers
-# 11 MiB. Stage caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried
-# build installed in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 150 s,
-# GEMM tests 60 s, memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run after
-# a machine start of ~2 min leaves time for a rerun of some stages (GPU_CHECK_STAGES) in a
-# 15-minute budget.
+# The first run installs the venv and torch (later runs reuse them); a cold build is long on a
+# 2-core machine, a warm one short (ninja recompiles only changed sources: build/device-src is
+# kept). The stripped _C (every CPU ISA, two CUDA archs) is ~70 MiB, ~8 MiB compressed. Stage
+# caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried build installed
+# in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 150 s, GEMM tests 60 s,
+# memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run after a machine start
+# of ~2 min leaves time for a rerun of some stages (GPU_CHECK_STAGES) in a 15-minute budget.
 # Environment: DEVICE_VENV (default /work/venvs/device-py312), DEVICE_PYTHON (an interpreter of
 # the device's Python version, default pyenv's 3.12), DEVICE_TORCH (2.11.0), DEVICE_BUILD (.device_build).
 set -euo pipefail

@@ -13,8 +13,8 @@
 namespace fusedamp {
 
 // A torch.ops.fusedamp call whose leading tensor-list arguments are held here as C++ vectors, so
-// that a call converts only its keyword scalars (the Python dispatch costs about 0.1 us for each
-// tensor of a list). The list at `grads_at` (if not -1) is read at each call from the .grad of
+// that a call converts only its keyword scalars (the Python dispatch costs time for each tensor
+// of a list). The list at `grads_at` (if not -1) is read at each call from the .grad of
 // `grads_of`: backward makes new grad tensors every step, the plan keeps the params. It runs
 // through the dispatcher as torch.ops does; the optimizer ops and check_and_norm_ unboxed, with
 // the lists passed by reference (a boxed call copies each list into and out of IValues).

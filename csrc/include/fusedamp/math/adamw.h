@@ -52,8 +52,8 @@ FUSEDAMP_HOST_DEVICE AdamWCoefficients adamw_coefficients(double lr, double beta
 // Decoupled weight decay on the old param first (param * (1 - lr * wd), as torch), then the
 // moments, then the bias-corrected step with sqrt(v) / sqrt(1 - beta2^t) + eps: the order of
 // torch.optim.AdamW. The division by sqrt(1 - beta2^t) is a multiply by its reciprocal: the
-// step is bound by the divider (sqrt and two divisions per element: ~1 ns/element at one
-// AVX-512 thread), and this one costs at most an ulp of denom. maximize negates the grad, which
+// step is bound by the divider (a sqrt and two divisions per element), and this one costs at
+// most an ulp of denom. maximize negates the grad, which
 // only exp_avg sees with its sign (exp_avg_sq squares it): the sign rides on exp_avg's weight,
 // one multiply fewer per element with the same bits (negation is exact in every product).
 FUSEDAMP_HOST_DEVICE void adamw_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,

@@ -49,8 +49,8 @@ struct BlockCode {
 // bits from math/stochastic.h's keyed hash. Round to nearest loses every change smaller than half
 // a code step, and a moment's change per step is (1 - beta) of its distance to the new value:
 // with beta2 = 0.999 that is far below half a step of 3 mantissa bits (or bf16's 8), so the
-// second moment froze near its early value and the effective learning rate kept growing (2.5x
-// AdamW's displacement after 3000 steps). Rounded without bias, each state tracks its fp32 value
+// second moment froze near its early value and the effective learning rate kept growing (the
+// params moved ever farther than AdamW's). Rounded without bias, each state tracks its fp32 value
 // in expectation. Conversions (encode_state, loading a torch state_dict) round to nearest.
 
 // What a code's rounding adds to the magnitude bits before their 20 low mantissa bits are dropped:
