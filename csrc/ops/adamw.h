@@ -8,6 +8,7 @@
 #include "fusedamp/math/codec.h"
 #include "fusedamp/math/stochastic.h"
 #include "fusedamp/step_inputs.h"
+#include "ops/optimizer.h"
 
 namespace fusedamp {
 
@@ -22,6 +23,9 @@ struct AdamWHyperparameters {
 
 struct AdamWCall {
   static constexpr const char* kOp = "adamw_";
+  // The lists every optimizer has (ops/optimizer.h).
+  static constexpr int kParamList = kAdamWParam, kGradList = kAdamWGrad, kMasterList = kAdamWMaster;
+  static constexpr int kStepList = kAdamWStep, kRoundingIdList = kAdamWRoundingId;
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const AdamWCall&, const AdamWCoefficients&, int64_t tensor,
                             int64_t begin, int64_t end);
@@ -39,3 +43,12 @@ struct AdamWCall {
 };
 
 }  // namespace fusedamp
+
+FUSEDAMP_NAMESPACE_BEGIN
+
+// The coefficients of a tensor whose step count before this step is `step`.
+FUSEDAMP_HOST_DEVICE AdamWCoefficients step_coefficients(const AdamWHyperparameters& h, double lr, float step) {
+  return adamw_coefficients(lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.maximize, double(step) + 1.0);
+}
+
+FUSEDAMP_NAMESPACE_END

@@ -8,6 +8,7 @@
 #include "fusedamp/math/sgd.h"
 #include "fusedamp/math/stochastic.h"
 #include "fusedamp/step_inputs.h"
+#include "ops/optimizer.h"
 
 namespace fusedamp {
 
@@ -21,6 +22,9 @@ struct SgdHyperparameters {
 
 struct SgdCall {
   static constexpr const char* kOp = "sgd_";
+  // The lists every optimizer has (ops/optimizer.h).
+  static constexpr int kParamList = kSgdParam, kGradList = kSgdGrad, kMasterList = kSgdMaster;
+  static constexpr int kStepList = kSgdStep, kRoundingIdList = kSgdRoundingId;
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const SgdCall&, const SgdCoefficients&, int64_t tensor, int64_t begin,
                             int64_t end);
@@ -38,3 +42,12 @@ struct SgdCall {
 };
 
 }  // namespace fusedamp
+
+FUSEDAMP_NAMESPACE_BEGIN
+
+// The coefficients of a tensor whose step count before this step is `step` (0: its first step).
+FUSEDAMP_HOST_DEVICE SgdCoefficients step_coefficients(const SgdHyperparameters& h, double lr, float step) {
+  return sgd_coefficients(lr, h.momentum, h.dampening, h.weight_decay, h.nesterov, h.maximize, step == 0.0f);
+}
+
+FUSEDAMP_NAMESPACE_END

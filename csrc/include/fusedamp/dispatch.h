@@ -80,4 +80,15 @@ inline void with_bool(bool value, Fn&& fn) {
   }
 }
 
+// fn(std::bool_constant<values[0]>{}, ..., std::bool_constant<values[N - 1]>{}): with_bool for
+// each of the flags (`tags`: those already turned into tags).
+template <size_t N, typename Fn, typename... Tags>
+inline void with_bools(const bool (&values)[N], Fn&& fn, Tags... tags) {
+  if constexpr (sizeof...(Tags) == N) {
+    fn(tags...);
+  } else {
+    with_bool(values[sizeof...(Tags)], [&](auto tag) { with_bools(values, fn, tags..., tag); });
+  }
+}
+
 FUSEDAMP_NAMESPACE_END

@@ -58,6 +58,19 @@ FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* roun
   return rounding_key(stream_seed, rounding_id_of(rounding_id), uint64_t(step) + 1, uint64_t(begin) >> 32);
 }
 
+// What the keys of one chunk of an optimizer step are made of (chunk_rounding_key), as both
+// backends gather them once per chunk: key(stream) for the param and each coded state.
+struct ChunkKeys {
+  uint64_t seed;
+  const void* rounding_id;  // the param's ([note: rounding ids])
+  float step;               // its step count before this step
+  int64_t begin;            // the chunk's first element
+
+  FUSEDAMP_HOST_DEVICE uint32_t key(RoundingStream stream) const {
+    return chunk_rounding_key(seed, rounding_id, step, begin, stream);
+  }
+};
+
 // 32 random bits of one element: Wellons' lowbias32 of its low 32 index bits and the key (two
 // multiplies, vectorizable).
 FUSEDAMP_HOST_DEVICE uint32_t rounding_bits(uint32_t key, int64_t element) {
