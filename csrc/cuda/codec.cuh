@@ -25,7 +25,27 @@ struct CodedIterations {
   static_assert(kWarpsPerCodecBlock >= 1 && int(kCodecBlock) % (E * 32) == 0,
                 "a codec block must be whole warps");
   static_assert(kElements % int(kCodecBlock) == 0, "an iteration must be whole codec blocks");
+  static_assert(kChunkSize % kElements == 0, "a chunk must be whole iterations");
 };
+
+// Calls body(first, vector) for this thread's group of E elements in each iteration of a chunk of
+// `count` elements, past the chunk's end too ([note: coded iterations]); `vector`: the group is
+// complete and the chunk aligned (ElementGroup).
+template <int E, typename Body>
+__device__ __forceinline__ void for_each_coded_group(int count, bool aligned, Body&& body) {
+  for (int base = 0; base < count; base += CodedIterations<E>::kElements) {
+    const int first = base + int(threadIdx.x) * E;
+    body(first, aligned && first + E <= count);
+  }
+}
+
+// The scales of an 8-bit state list from the chunk's first block (null stays null: no scales).
+template <int kLists>
+__device__ __forceinline__ float* chunk_scales(const ChunkMetadata<kLists>& meta, int list,
+                                               const ChunkLocation& chunk) {
+  float* base = static_cast<float*>(meta.pointers[list][chunk.slot]);
+  return base == nullptr ? nullptr : base + chunk.begin / kCodecBlock;
+}
 
 // The largest of `bits` over the threads of this thread's codec block. Every thread of the block
 // calls it, the same number of times.
