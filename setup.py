@@ -234,7 +234,7 @@ def cpu_kernel_sources() -> list[str]:
 
 
 ext_sources = (sources("csrc/*.cpp") + sources("csrc/common/*.cpp") + sources("csrc/ops/*.cpp")
-               + sources("csrc/cpu/*.cpp") + cpu_kernel_sources())
+               + sources("csrc/python/*.cpp") + sources("csrc/cpu/*.cpp") + cpu_kernel_sources())
 if with_cuda:
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "--fmad=false"]
     if os.environ.get("FUSEDAMP_PTXAS_VERBOSE") == "1":

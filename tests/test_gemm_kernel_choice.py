@@ -1,4 +1,4 @@
-"""The CUDA gemm's kernel choice (csrc/common/gemm.cpp choose_kernel), on the host through
+"""The CUDA gemm's kernel choice (csrc/ops/gemm.cpp choose_kernel), on the host through
 _C.testing.gemm_choose_kernel: every backend against every device / build / problem combination,
 including devices this build has no code for (an 8.0-only build on Hopper, 8.0;9.0a on sm_100)."""
 

@@ -9,7 +9,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "common/gemm.h"
+#include "ops/gemm.h"
 #include "common/registry.h"
 #include "cuda/gemm/params.h"
 

@@ -1,5 +1,6 @@
-// The GEMM op's argument checks, its ATen reference implementation (the CPU kernel and the CUDA
-// fallback) and the process-wide choice of CUDA GEMM kernels.
+// The call struct of gemm (GemmCall) and what the op and its kernels share (ops/gemm.cpp): the
+// argument checks, the ATen reference implementation (the CPU kernel and the CUDA fallback) and
+// the process-wide choice of CUDA GEMM kernels (cuda/gemm/gemm.cpp launches the chosen one).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -7,12 +7,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "common/gemm.h"
-#include "common/prepared.h"
 #include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
+#include "ops/gemm.h"
+#include "python/prepared.h"
 
 namespace py = pybind11;
 

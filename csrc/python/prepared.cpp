@@ -1,5 +1,5 @@
 // PreparedCall, GradWatch and IdentityWatch, and their Python bindings (see prepared.h).
-#include "common/prepared.h"
+#include "python/prepared.h"
 
 #include <ATen/core/stack.h>
 #include <torch/extension.h>
