@@ -1,5 +1,5 @@
 """Optimizer offload (``offload="cpu"``): the state and the step on the host, the params and grads on
-their device (DESIGN.md rule 8, docs/offload.md).
+their device (docs/offload.md).
 
 Per param the optimizer keeps a *host copy* (the tensor the CPU step updates, in the param's dtype
 and layout) and a *host grad* buffer; both are views of a few large allocations, page-locked with
@@ -50,10 +50,10 @@ import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,39 @@ from torch import Tensor
 
 from fusedamp import _C, _dtensor, ops
 from fusedamp._layout import is_dense
-from fusedamp.optim._plan import group_signature, op_call, same_signature
+from fusedamp.optim._plan import PlannedOptimizer, group_signature, op_call, same_signature
 from fusedamp.optim._step import AmpScalars, Bucket, on_device
 
-if TYPE_CHECKING:
-    from fusedamp.optim._base import FusedOptimizer
+
+class OffloadedOptimizer(PlannedOptimizer, Protocol):
+    """What offloading reads and calls of its optimizer (a ``fusedamp.optim._base.FusedOptimizer``)."""
+
+    max_grad_norm: float | None
+    _pending_clip_coef: Tensor | None
+    _op: str
+
+    def offload_no_sync(self) -> AbstractContextManager[None]: ...
+
+    def _buckets(
+        self, host_copies: Iterable[tuple[dict[str, Any], Tensor, Tensor, Tensor]] | None = None
+    ) -> list[Bucket]: ...
+
+    def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None: ...
+
+    def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]: ...
+
+    def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]: ...
+
+    def _dense_grad(self, param: Tensor, grad: Tensor) -> Tensor: ...
+
+    def _clip_coef(self, sums: dict[torch.device, Tensor]) -> Tensor: ...
+
+    def _check_hyperparameters(self) -> None: ...
+
+    def _check_and_norm(
+        self, inv_scale: Tensor | None, remember_plan: bool = False
+    ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]: ...
+
 
 OffloadTarget = Literal["cpu"]
 OFFLOAD_TARGETS = (None, "cpu")
@@ -330,7 +358,7 @@ class _OffloadPlan:
     nothing they were built from changed: the same slots with the same host tensors and groups,
     the same group options (but those read at each call), state dicts and group param lists."""
 
-    def __init__(self, optimizer: FusedOptimizer, key: tuple[int, ...], chunks: list[_Chunk]) -> None:
+    def __init__(self, optimizer: OffloadedOptimizer, key: tuple[int, ...], chunks: list[_Chunk]) -> None:
         self.key = key
         self.chunks = chunks
         self.state = optimizer.state
@@ -344,13 +372,13 @@ class _OffloadPlan:
 
     @classmethod
     def build(
-        cls, optimizer: FusedOptimizer, key: tuple[int, ...], chunks: list[_Chunk]
+        cls, optimizer: OffloadedOptimizer, key: tuple[int, ...], chunks: list[_Chunk]
     ) -> _OffloadPlan | None:
         if not all(type(group["params"]) is list for group in optimizer.param_groups):
             return None
         return cls(optimizer, key, chunks)
 
-    def fits(self, optimizer: FusedOptimizer, key: tuple[int, ...]) -> bool:
+    def fits(self, optimizer: OffloadedOptimizer, key: tuple[int, ...]) -> bool:
         if key != self.key or optimizer.state is not self.state:
             return False
         if len(optimizer.param_groups) != len(self.groups):
@@ -392,7 +420,9 @@ class Offload:
     """The host side of an offloaded FusedOptimizer: the host copies and grads of its params,
     the backward hooks, the transfers and the CPU step (see the module docstring)."""
 
-    def __init__(self, optimizer: FusedOptimizer, offload_gradients: bool, step_in_backward: bool) -> None:
+    def __init__(
+        self, optimizer: OffloadedOptimizer, offload_gradients: bool, step_in_backward: bool
+    ) -> None:
         # A weak reference: the optimizer owns this object, which its params' hooks reach (weakly).
         self._optimizer = weakref.ref(optimizer)
         self.offload_gradients = offload_gradients
@@ -421,7 +451,7 @@ class Offload:
             self.add_params(group["params"], group)
 
     @property
-    def optimizer(self) -> FusedOptimizer:
+    def optimizer(self) -> OffloadedOptimizer:
         optimizer = self._optimizer()
         assert optimizer is not None, "the offloaded optimizer was dropped"
         return optimizer
