@@ -12,7 +12,7 @@ gradient), weight_decay=0, beta1=0.9; every config is a param group of one optim
 contestant, all fed the same gradients. fp32 params move in proportion to lr (Adam's step does
 not depend on the gradients' scale), so fp32-param contestants run at lr=1e-3 only, the bf16-param
 modes also at lr=1e-5 (a step far below a bf16 ulp), and bitsandbytes' and torchao's AdamW8bit
-(about 25 ms a step per param group on a CPU) at the default beta2 = 0.999 only. A moment stored
+(slow on a CPU: one step per param group) at the default beta2 = 0.999 only. A moment stored
 with too little resolution loses the changes of (1 - beta2) of its distance to g^2 each step, so
 the second moment lags and the step grows as the run gets longer.
 """
