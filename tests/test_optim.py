@@ -445,3 +445,79 @@ def test_cpu_and_cuda_params_in_one_optimizer() -> None:
     for param, ref_param in zip(params, refs, strict=True):
         torch.testing.assert_close(fused.master_of(param).cpu(), ref_param.detach(), **TOLERANCE)
     assert fused.last_grad_norm.device.type == "cpu"
+
+
+@pytest.fixture
+def restore_prefetch() -> Any:
+    before = fusedamp._C.cpu_prefetch_blocks()
+    yield
+    fusedamp._C.set_cpu_prefetch_blocks(before)
+
+
+def test_prefetch_distance_is_chosen_per_cpu_vendor(restore_prefetch: Any) -> None:
+    import os
+    import platform
+
+    if os.environ.get("FUSEDAMP_CPU_PREFETCH"):
+        expected = int(os.environ["FUSEDAMP_CPU_PREFETCH"])
+    elif platform.machine() in ("x86_64", "AMD64"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            expected = 0 if "AuthenticAMD" in cpuinfo.read() else 2
+    else:
+        expected = 2
+    assert fusedamp._C.cpu_prefetch_blocks() == expected
+    assert fusedamp._C.set_cpu_prefetch_blocks(5) == expected and fusedamp._C.cpu_prefetch_blocks() == 5
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="prefetch distance must be 0 to 8 codec blocks"):
+            fusedamp._C.set_cpu_prefetch_blocks(bad)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "options"),
+    [(torch.float32, {}), (torch.float32, {"moments": "int8"}),
+     (torch.bfloat16, {"master_weights": "remainder", "moments": "int8", "max_grad_norm": 1.0}),
+     (torch.bfloat16, {"master_weights": "stochastic", "moments": "bf16"})],
+)
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_prefetch_distance_changes_no_bits(
+    kind: str, dtype: torch.dtype, options: dict[str, Any], restore_prefetch: Any
+) -> None:
+    """Prefetching is a hint: every distance (none, the defaults, the farthest) gives the same
+    params and state, on tensors of many codec blocks and a ragged tail."""
+    generator = torch.Generator().manual_seed(11)
+    initial = random_tensors([5000, 70_001, 3], dtype, generator)
+    grads = [torch.randn(t.shape, generator=generator).to(dtype) for t in initial]
+    runs = []
+    for blocks in (0, 1, 2, 8):
+        fusedamp._C.set_cpu_prefetch_blocks(blocks)
+        params = [t.clone().requires_grad_() for t in initial]
+        if kind == "adamw":
+            opt = FusedAdamW(params, lr=1e-2, **options)
+        else:
+            opt = FusedSGD(params, lr=1e-2, momentum=0.9, **options)
+        for _ in range(3):
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.clone()
+            opt.step()
+        runs.append(([p.detach() for p in params], opt.state_dict()))
+    for params, state in runs[1:]:
+        for mine, first in zip(params, runs[0][0], strict=True):
+            assert torch.equal(mine, first)
+        for key, value in state["state"].items():
+            for name, tensor in value.items():
+                if isinstance(tensor, Tensor):
+                    assert torch.equal(tensor, runs[0][1]["state"][key][name]), (key, name)
+
+
+def test_prefetch_distance_changes_no_unscaled_bits(restore_prefetch: Any) -> None:
+    generator = torch.Generator().manual_seed(12)
+    grads = [torch.randn(n, generator=generator).to(torch.bfloat16) for n in (70_001, 300)]
+    results = []
+    for blocks in (0, 2, 8):
+        fusedamp._C.set_cpu_prefetch_blocks(blocks)
+        mine, found_inf = [g.clone() for g in grads], torch.zeros(())
+        fusedamp.ops.unscale_(mine, found_inf, torch.tensor(0.125))
+        results.append((mine, found_inf.item()))
+    for mine, found in results[1:]:
+        assert found == results[0][1] == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(mine, results[0][0], strict=True))

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "cpu/codec.h"
+#include "cpu/isa.h"
 #include "cpu/staging.h"
 #include "fusedamp/math/codec.h"
 #include "fusedamp/math/master.h"
@@ -268,13 +269,18 @@ template <DType G>
 
 // [note: block prefetch] The coded steps do more work per byte than the fp32 ones, and between
 // blocks the hardware prefetchers fell behind: the int8 AdamW step read memory at half the fp32
-// step's rate. So each block first asks for the lines of the block kPrefetchBlocks ahead in
+// step's rate. So each block first asks for the lines of the block prefetch_distance() ahead in
 // every stream the step reads (for writing: each is stored back). One or two blocks ahead were
 // the fastest; farther, the lines wait in the fill buffers. The plain fp32 steps run their
 // element loop a block at a time behind the same prefetches (without them the fp32 SGD step fell
 // behind torch's fused one), and the half-param steps stage their groups inside the same
-// prefetched blocks.
-constexpr int64_t kPrefetchBlocks = 2;
+// prefetched blocks. On AMD's Zen 4 the same prefetches slowed every step instead, fp32 and
+// coded, at one thread and at two (its hardware prefetchers keep up, and the software ones only
+// add work): the distance, in blocks, is prefetch_blocks (cpu/isa.h), chosen per CPU vendor, 0
+// for none.
+[[gnu::always_inline]] inline int64_t prefetch_distance() {
+  return prefetch_blocks.load(std::memory_order_relaxed) * kCodecBlock;
+}
 
 template <typename T>
 [[gnu::always_inline]] inline void prefetch_block(const void* base, int64_t first, int64_t end) {
@@ -285,13 +291,14 @@ template <typename T>
   }
 }
 
-// The param (and its master), the grad and `states` of the block kPrefetchBlocks ahead of
-// `first`, if [first, end) has one.
+// The param (and its master), the grad and `states` of the block prefetch_distance() ahead of
+// `first`, if [first, end) has one and the distance is not 0.
 template <DType P, DType G, MasterKind M, StateCodec C, typename... States>
 [[gnu::always_inline]] inline void prefetch_ahead(int64_t first, int64_t end, const void* param,
                                                   const void* master, const void* grad, States... states) {
-  const int64_t ahead = first + kPrefetchBlocks * kCodecBlock;
-  if (ahead >= end) return;
+  const int64_t distance = prefetch_distance();
+  const int64_t ahead = first + distance;
+  if (distance == 0 || ahead >= end) return;
   using Code = std::conditional_t<C == StateCodec::kInt8, uint8_t,
                                   std::conditional_t<C == StateCodec::kBFloat16, uint16_t, float>>;
   prefetch_block<storage_t<P>>(param, ahead, end);

@@ -59,6 +59,29 @@ CpuIsa detect_isa() {
   return CpuIsa::kBaseline;
 }
 
+int checked_prefetch_blocks(int64_t blocks) {
+  TORCH_CHECK_VALUE(blocks >= 0 && blocks <= 8, "fusedamp: the CPU prefetch distance must be 0 to 8 ",
+                    "codec blocks, got ", blocks);
+  return int(blocks);
+}
+
+// [note: block prefetch]: AMD's cores run the steps faster on their hardware prefetchers alone.
+int default_prefetch_blocks() {
+  if (const char* forced = std::getenv("FUSEDAMP_CPU_PREFETCH")) {
+    if (*forced) return checked_prefetch_blocks(std::strtol(forced, nullptr, 10));
+  }
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("amd")) return 0;
+#endif
+  return 2;
+}
+
+const bool prefetch_blocks_chosen = [] {
+  prefetch_blocks.store(default_prefetch_blocks());
+  return true;
+}();
+
 std::atomic<CpuIsa>& active_isa() {
   static std::atomic<CpuIsa> isa{detect_isa()};
   return isa;
@@ -76,6 +99,8 @@ const char* isa_name(CpuIsa isa) {
 }
 
 std::string set_isa(const std::string& name) { return isa_name(active_isa().exchange(checked_isa(name))); }
+
+int set_prefetch_blocks(int blocks) { return prefetch_blocks.exchange(checked_prefetch_blocks(blocks)); }
 
 int64_t parallel_for_threads() {
   std::vector<std::atomic<bool>> used(at::get_num_threads());

@@ -199,6 +199,10 @@ PYBIND11_MODULE(_C, m) {
         "The CPU kernel build in use: avx512, avx2 or baseline.");
   m.def("set_cpu_isa", &fusedamp::cpu::set_isa, py::arg("isa"),
         "Switch the CPU kernels to avx512, avx2 or baseline; returns the previous choice.");
+  m.def("cpu_prefetch_blocks", [] { return fusedamp::cpu::prefetch_blocks.load(); },
+        "How many codec blocks (256 elements) ahead the CPU optimizer steps prefetch; 0: none.");
+  m.def("set_cpu_prefetch_blocks", &fusedamp::cpu::set_prefetch_blocks, py::arg("blocks"),
+        "Set the CPU steps' prefetch distance in codec blocks (0 to 8); returns the previous.");
   m.def("gemm_backend", &fusedamp::gemm::backend_name,
         "The CUDA gemm backend: reference, auto, mma_sync or wgmma.");
   m.def("set_gemm_backend", &fusedamp::gemm::set_backend, py::arg("name"),

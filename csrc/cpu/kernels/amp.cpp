@@ -13,13 +13,14 @@ namespace {
 
 // Half grads go through fp32 one vector at a time ([note: half staging]), with one flag per
 // lane: the groups set them lane by lane, and the lanes are combined once at the end. Each
-// codec block first prefetches the one kPrefetchBlocks ahead ([note: block prefetch]): without
-// it, the unscale of bf16 grads on the AVX2 build fell behind torch's.
+// codec block first prefetches the one prefetch_distance() ahead ([note: block prefetch]):
+// without it, the unscale of bf16 grads on the AVX2 build fell behind torch's.
 template <DType G>
 bool unscale_range(void* grad, int64_t begin, int64_t end, float inv_scale) {
   int32_t found[kStageLanes] = {};
+  const int64_t distance = prefetch_distance();
   for_each_codec_block(begin, end, [&](int64_t block, int64_t count) {
-    prefetch_block<storage_t<G>>(grad, block + kPrefetchBlocks * kCodecBlock, end);
+    if (distance != 0) prefetch_block<storage_t<G>>(grad, block + distance, end);
     if constexpr (G != staged<G>) {
       auto* halves = static_cast<uint16_t*>(grad);
       for_each_stage_group(block, block + count, [&](int64_t first, auto n) {
