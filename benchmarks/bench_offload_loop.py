@@ -166,12 +166,13 @@ def cases(device: str) -> dict[str, tuple[torch.dtype, dict[str, Callable[[list]
 
 
 def host_bytes(opt: Any) -> float | None:
-    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "param_d2h_map"):
+    """Host bytes per param of an offloaded optimizer (None: it keeps nothing on the host)."""
+    if hasattr(opt, "param_d2h_map"):
         return host_bytes_torchao(opt)
-    if isinstance(opt, fusedamp.optim.FusedAdamW) and opt.state_bytes().get("host"):
-        params = sum(p.numel() for group in opt.param_groups for p in group["params"])
-        return opt.state_bytes()["host"] / params
-    return None
+    host = opt.state_bytes().get("host") if isinstance(opt, fusedamp.optim.FusedAdamW) else None
+    if not host:
+        return None
+    return host / sum(p.numel() for group in opt.param_groups for p in group["params"])
 
 
 def measure(case: str, dtype: torch.dtype, makers: dict, args: argparse.Namespace,
