@@ -1,7 +1,7 @@
 """Convergence of the coded optimizer modes on real text: a small byte-level transformer
 language model trained on the Python standard library's own source files (present on every
 machine with Python), fp32 AdamW against each new mode, and plain bf16 params without a master
-as the control, over several seeds.
+as the control, over several seeds; FusedMuon's modes against torch's Muon + AdamW in fp32.
 
 Run from the repository root (minutes on 2 CPU cores):
 
@@ -44,8 +44,18 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "bf16 moments, fp32 master": {"dtype": torch.bfloat16, "options": {"moments": "bf16"}},
     "control: bf16 params, no master": {"dtype": torch.bfloat16, "options": {"master_weights": False}},
+    # Muon for the hidden matrices, AdamW for the rest (fusedamp.optim.muon_param_groups' split).
+    "torch Muon + AdamW (fp32 params)": {"dtype": torch.float32, "optimizer": "torch-muon", "options": {}},
+    "FusedMuon, remainder master": {
+        "dtype": torch.bfloat16, "optimizer": "muon", "options": {"master_weights": "remainder"}
+    },
+    "FusedMuon, int8 momentum, fp32 master": {
+        "dtype": torch.bfloat16, "optimizer": "muon", "options": {"moments": "int8"}
+    },
 }
 REFERENCE, CONTROL = "fp32 AdamW (fp32 params)", "control: bf16 params, no master"
+MUON_REFERENCE = "torch Muon + AdamW (fp32 params)"
+MUON_LR = 0.02  # the Muon groups' peak lr (the AdamW groups take --lr)
 MARGIN = 0.005  # nats per byte: the allowance over the fp32 seed spread
 
 
@@ -102,7 +112,10 @@ def train(
     spec = MODES[mode]
     torch.manual_seed(seed)
     model = ByteLM(context=context).to(spec["dtype"])
-    opt = fusedamp.FusedAdamW(model.parameters(), lr=lr, weight_decay=0.01, seed=seed, **spec["options"])
+    optimizers = make_optimizers(spec, model, lr, seed)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
     generator = torch.Generator().manual_seed(1000 + seed)
     losses = []
     for step in range(steps):
@@ -111,16 +124,37 @@ def train(
         logits = model(window[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, 256), window[:, 1:].reshape(-1))
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         # A short warm-up then cosine decay, as LM training runs use.
         progress = (step + 1) / steps
-        for group in opt.param_groups:
-            group["lr"] = (
-                lr * min(1.0, (step + 1) / (0.05 * steps)) * 0.5 * (1 + math.cos(math.pi * progress))
-            )
+        for opt in optimizers:
+            for group in opt.param_groups:
+                warm_up = min(1.0, (step + 1) / (0.05 * steps))
+                group["lr"] = group["peak_lr"] * warm_up * 0.5 * (1 + math.cos(math.pi * progress))
     return losses
+
+
+def make_optimizers(
+    spec: dict[str, Any], model: nn.Module, lr: float, seed: int
+) -> list[torch.optim.Optimizer]:
+    """The optimizers of a mode: one FusedAdamW, one FusedMuon over muon_param_groups' split, or
+    torch's Muon and AdamW over the same split, each stepping its own params (as users combine
+    them)."""
+    kind = spec.get("optimizer", "adamw")
+    options = spec["options"]
+    if kind == "adamw":
+        return [fusedamp.FusedAdamW(model.parameters(), lr=lr, weight_decay=0.01, seed=seed, **options)]
+    groups = fusedamp.optim.muon_param_groups(model, muon={"lr": MUON_LR}, adamw={"lr": lr})
+    if kind == "muon":
+        return [fusedamp.FusedMuon(groups, weight_decay=0.01, seed=seed, **options)]
+    muon, adamw = groups
+    return [
+        torch.optim.Muon(muon["params"], lr=MUON_LR, weight_decay=0.01),
+        torch.optim.AdamW(adamw["params"], lr=lr, weight_decay=0.01),
+    ]
 
 
 def final_loss(losses: list[float]) -> float:
@@ -129,18 +163,24 @@ def final_loss(losses: list[float]) -> float:
 
 
 def verdicts(finals: dict[str, list[float]]) -> list[str]:
-    reference = finals[REFERENCE]
-    spread = max(reference) - min(reference)
-    ceiling = max(reference) + MARGIN
-    lines = [
-        f"fp32 final losses {[round(v, 4) for v in reference]}: spread {spread:.4f}; bound max + {MARGIN}"
-    ]
+    """Each mode against its reference (fp32 AdamW, or torch's Muon + AdamW for the FusedMuon
+    modes): within the reference runs' worst plus MARGIN; the control worse than every fp32 run."""
+    lines = []
+    for reference in (REFERENCE, MUON_REFERENCE):
+        values = finals[reference]
+        spread = max(values) - min(values)
+        lines.append(
+            f"{reference}: final losses {[round(v, 4) for v in values]}: spread {spread:.4f}; "
+            f"bound max + {MARGIN}"
+        )
     for mode, values in finals.items():
-        if mode == REFERENCE:
+        if mode in (REFERENCE, MUON_REFERENCE):
             continue
+        reference = MUON_REFERENCE if MODES[mode].get("optimizer") == "muon" else REFERENCE
+        ceiling = max(finals[reference]) + MARGIN
         mean = sum(values) / len(values)
         if mode == CONTROL:
-            worse = min(values) > max(reference)
+            worse = min(values) > max(finals[reference])
             verdict = "worse than every fp32 run, as expected" if worse else "NOT measurably worse"
         else:
             verdict = "within" if max(values) <= ceiling else "OUTSIDE"
@@ -168,7 +208,7 @@ def plot(curves: dict[str, list[list[float]]], path: Path) -> None:
         axis.plot(smooth, label=mode, linestyle="--" if mode == CONTROL else "-")
     axis.set_xlabel("step")
     axis.set_ylabel(f"training loss (nats/byte, mean of {len(next(iter(curves.values())))} seeds, smoothed)")
-    axis.set_title("Byte-level LM on the Python standard library: FusedAdamW modes")
+    axis.set_title("Byte-level LM on the Python standard library: FusedAdamW and FusedMuon modes")
     axis.legend()
     axis.set_ylim(top=min(4.0, axis.get_ylim()[1]))
     figure.tight_layout()

@@ -46,6 +46,16 @@ TORCH_LIBRARY(fusedamp, m) {
       "Tensor? inv_grad_scale, Tensor? found_inf, Tensor? clip_coef, "
       "bool write_unscaled_grads, Tensor(f!)[]? momentum_buffer_scales=None, "
       "int[]? rounding_ids=None, int rounding_seed=0, bool stochastic_params=False) -> ()");
+  // The elementwise first half of a Muon step (math/muon.h): each momentum buffer lerped toward
+  // its grad (multiplied by inv_grad_scale * clip_coef), and the update to orthogonalize (the
+  // Nesterov blend, or the buffer) written into `updates` (float32 or bfloat16, shaped like the
+  // grads). steps are read (rounding keys of bf16 / uint8 buffers), not incremented: the
+  // Muon step's sgd_ on the orthogonalized updates does that. found_inf set: nothing is written.
+  m.def(
+      "muon_momentum_(Tensor(a!)[] updates, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
+      "Tensor[] steps, float momentum, bool nesterov, Tensor? inv_grad_scale, Tensor? found_inf, "
+      "Tensor? clip_coef, bool write_unscaled_grads, Tensor(d!)[]? momentum_buffer_scales=None, "
+      "int[]? rounding_ids=None, int rounding_seed=0) -> ()");
   // The bf16 remainder encoding of fp32 masters (math/master.h, [note: remainder encoding]):
   // split turns fp32 masters into (bf16 param, int16 remainder), join rebuilds the masters.
   // Dense tensors in any memory format; the outputs take the input's. CPU only: the optimizers

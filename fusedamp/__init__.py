@@ -14,7 +14,7 @@ import torch
 from fusedamp import _C, diagnostics, nn, ops
 from fusedamp.autocast import autocast
 from fusedamp.grad_scaler import GradScaler
-from fusedamp.optim import FusedAdamW, FusedSGD
+from fusedamp.optim import FusedAdamW, FusedMuon, FusedSGD
 from fusedamp.precision import half_model
 
 # The package version, read by the build from here (pyproject.toml: dynamic = ["version"]).
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "FusedAdamW",
+    "FusedMuon",
     "FusedSGD",
     "GradScaler",
     "autocast",

@@ -17,7 +17,8 @@ from fusedamp import _C  # noqa: F401  (importing the extension registers torch.
 from fusedamp._layout import has_kernel, is_dense, real_view
 
 __all__ = [
-    "unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_", "encode_state", "decode_state",
+    "unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_", "muon_momentum_", "encode_state",
+    "decode_state",
 ]
 
 
@@ -187,6 +188,34 @@ def sgd_(
     )
 
 
+def muon_momentum_(
+    updates: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    steps: list[Tensor],
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    inv_grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    clip_coef: Tensor | None = None,
+    write_unscaled_grads: bool = True,
+    momentum_buffer_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
+) -> None:
+    """The elementwise first half of a Muon step (see csrc/registration.cpp): each buffer lerped
+    toward its (unscaled, clipped) grad, and the update to orthogonalize written into
+    ``updates`` (float32 or bfloat16). ``steps`` are read, not incremented.
+
+    >>> muon_momentum_([update], [grad], [buffer], [torch.zeros(())], momentum=0.95)
+    """
+    torch.ops.fusedamp.muon_momentum_(
+        updates, grads, momentum_buffers, steps, momentum, nesterov, inv_grad_scale, found_inf,
+        clip_coef, write_unscaled_grads, momentum_buffer_scales, rounding_ids, rounding_seed,
+    )
+
+
 def encode_state(values: Tensor, is_signed: bool) -> tuple[Tensor, Tensor]:
     """The 8-bit block codes of a float32 state (csrc/include/fusedamp/math/codec.h): uint8 codes
     in ``values``' memory format and one float32 scale per 256 elements of storage order. CPU.
@@ -233,7 +262,7 @@ def _in_place_fake(name: str) -> Callable[..., None]:
 
 
 # In-place ops return nothing: their fake kernels only check the devices.
-for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_"):
+for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_", "muon_momentum_"):
     torch.library.register_fake(f"fusedamp::{_name}")(_in_place_fake(_name))
 
 

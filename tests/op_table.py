@@ -1410,6 +1410,153 @@ SGD = OpEntry(
 )
 
 
+# --- muon_momentum_ ---------------------------------------------------------------------------
+
+# A value the op never reads: updates hold it after a skipped step, and nowhere else.
+_UNWRITTEN_UPDATE = 7.0
+
+
+def _muon_samples(device: str, dtype: torch.dtype) -> list[Sample]:
+    # dtype is the grads'; the updates are fp32 for fp32 grads, else bf16 (the orthogonalization's).
+    update_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    variants = {"empty_tensor": {"nesterov": False}, "no_masters": {"momentum": 0.3}}
+    samples = []
+    for name, case in _optimizer_cases(dtype).items():
+        options = {"momentum": 0.95, "nesterov": True, **variants.get(name, {})}
+        _, grads, _, (buffers,), steps = to_device(tuple(case.tensors(states=1).values()), device)
+        buffers, buffer_scales = case.coded(buffers, True)
+        scalars = case.scalars(device)
+        args = schema_args(
+            "muon_momentum_",
+            updates=[torch.full_like(grad, _UNWRITTEN_UPDATE, dtype=update_dtype) for grad in grads],
+            grads=grads,
+            momentum_buffers=buffers,
+            steps=steps,
+            momentum_buffer_scales=buffer_scales,
+            rounding_ids=scalars.get("rounding_ids"),
+            rounding_seed=scalars.get("rounding_seed", 0),
+            **{key: scalars[key] for key in ("inv_grad_scale", "found_inf", "clip_coef")},
+            write_unscaled_grads=scalars["write_unscaled_grads"],
+            **options,
+        )
+        samples.append(Sample(name, args))
+    return samples
+
+
+def _muon_observe(args: Args, returned: Any) -> Outputs:
+    updates, grads, buffers, steps = args[:4]
+    return {
+        "updates": list(updates),
+        "grads": list(grads),
+        "momentum_buffers": _observed_states(buffers, args[10], True),
+        "steps": list(steps),
+    }
+
+
+def _muon_reference(
+    updates: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffers: list[Tensor],
+    steps: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    inv_grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+    clip_coef: Tensor | None,
+    write_unscaled_grads: bool,
+    momentum_buffer_scales: list[Tensor] | None = None,
+    rounding_ids: list[int] | None = None,
+    rounding_seed: int = 0,
+) -> Outputs:
+    """torch.optim.Muon's momentum in float64 from the decoded buffers: buffer.lerp_(grad, 1 - m),
+    update = grad.lerp(buffer, m) with nesterov, else the buffer; steps unchanged."""
+    buffers = _state_values(momentum_buffers, momentum_buffer_scales, True)
+    step_inputs = _StepInputs.of(0.0, None, inv_grad_scale, found_inf, clip_coef, write_unscaled_grads)
+    result: Outputs = {"updates": [], "grads": [], "momentum_buffers": []}
+    result["steps"] = [step.clone() for step in steps]
+    for update, grad, buffer in zip(updates, grads, buffers, strict=True):
+        value, buffer, grad_after = update.double(), buffer.double(), grad.clone()
+        if not step_inputs.skip:
+            used, grad_after = step_inputs.grad(grad)
+            buffer = torch.lerp(buffer, used.double(), 1 - momentum)
+            value = torch.lerp(used.double(), buffer, momentum) if nesterov else buffer
+        result["updates"].append(value)
+        result["grads"].append(grad_after)
+        result["momentum_buffers"].append(buffer)
+    return result
+
+
+def _muon_bad_inputs() -> list[BadInput]:
+    def args(**changes: Any) -> Callable[[], Args]:
+        def make() -> Args:
+            generator = _generator(13)
+            named: dict[str, Any] = {
+                "updates": [torch.zeros(4) for _ in range(2)],
+                "grads": [_randn(4, torch.float32, generator) for _ in range(2)],
+                "momentum_buffers": [_randn(4, torch.float32, generator) for _ in range(2)],
+                "steps": [_scalar(1.0), _scalar(1.0)],
+                "momentum": 0.95,
+                "nesterov": True,
+                "inv_grad_scale": None,
+                "found_inf": None,
+                "clip_coef": None,
+                "write_unscaled_grads": True,
+            }
+            for key, change in changes.items():
+                named[key] = change(named) if callable(change) else change
+            return schema_args("muon_momentum_", **named)
+
+        return make
+
+    def buffers_on_cpu() -> Args:
+        on_cpu = args()()
+        on_cuda = to_device(on_cpu, "cuda")
+        return (*on_cuda[:2], on_cpu[2], *on_cuda[3:])
+
+    op = "muon_momentum_"
+    fp16_updates = [torch.zeros(4, dtype=torch.float16) for _ in range(2)]
+    return [
+        BadInput(
+            "short_grads", args(grads=lambda n: n["grads"][:1]), RuntimeError,
+            f"{op}: grads has 1 tensors but params has 2; pass one per param",
+        ),
+        BadInput(
+            "short_buffers", args(momentum_buffers=lambda n: n["momentum_buffers"][:1]), RuntimeError,
+            f"{op}: momentum_buffers has 1 tensors but params has 2; pass one per param",
+        ),
+        BadInput("fp16_updates", args(updates=fp16_updates), TypeError, f"{op}: updates must be float32"),
+        BadInput("nan_momentum", args(momentum=float("nan")), ValueError, "momentum"),
+        BadInput(
+            "codes_without_scales", args(momentum_buffers=_uint8_codes("momentum_buffers")), RuntimeError,
+            "momentum_buffer_scales",
+        ),
+        BadInput(
+            "buffers_on_cpu", buffers_on_cpu, RuntimeError,
+            f"{op}: momentum_buffers[0] is on cpu, expected cuda:0", "cuda",
+        ),
+    ]
+
+
+MUON_MOMENTUM = OpEntry(
+    name="muon_momentum_",
+    dtypes=FLOAT_DTYPES,
+    samples=_muon_samples,
+    reference=_muon_reference,
+    mutates=("updates", "grads", "momentum_buffers", "momentum_buffer_scales"),
+    tolerances={
+        "updates": OPTIMIZER_PARAMS,
+        "grads": EXACT,
+        "momentum_buffers": {torch.float32: FP32_STATE, **CODED_STATE},
+        "steps": EXACT,
+    },
+    bad_inputs=tuple(_muon_bad_inputs()),
+    uses_cpu_isa=True,
+    observe=_muon_observe,
+    notes="the dtype is the grads'; updates fp32 (fp32 grads) or bf16, written, never read (a skipped "
+    "step leaves them as they were); momentum buffers fp32, bf16 or 8-bit codes; steps read only.",
+)
+
+
 # --- split_bf16_remainder and join_bf16_remainder (CPU only) ------------------------------------
 
 # NaNs whose bits + 0x8000 once wrapped into signed zeros, exact ties (rounded half-up on the
@@ -2050,6 +2197,7 @@ OP_TABLE: dict[str, OpEntry] = {
         UPDATE_SCALE,
         ADAMW,
         SGD,
+        MUON_MOMENTUM,
         SPLIT,
         JOIN,
         GEMM,

@@ -36,7 +36,7 @@ GLOBAL_BATCH = 16
 OVERFLOW_STEP = 3
 OVERFLOW_ROW = GLOBAL_BATCH // WORLD_SIZE + 1
 TIMEOUT_S = 120
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 # An fp32 layer and a bf16 one (fp32 master in the optimizer).
 FEATURES = (6, 16, 3)
 
@@ -50,6 +50,8 @@ def free_port() -> int:
 def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
     if optimizer == "adamw":
         return fusedamp.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer == "muon":  # the fp32 layer's weight in a Muon group, the rest in an AdamW group
+        return fusedamp.FusedMuon(fusedamp.optim.muon_param_groups(model, adamw={"lr": 1e-2}), lr=0.02)
     return fusedamp.FusedSGD(model.parameters(), lr=5e-2, momentum=0.9)
 
 

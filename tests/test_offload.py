@@ -75,6 +75,12 @@ def batch(step: int, device: str = "cpu") -> tuple[Tensor, Tensor]:
 def make_optimizer(kind: str, params: Any, **options: Any) -> torch.optim.Optimizer:
     if kind == "adamw":
         return fusedamp.FusedAdamW(params, **{"lr": 1e-2, "weight_decay": 0.1, **options})
+    if kind == "muon":  # Net's middle layer in the Muon group (first and last: AdamW)
+        groups = [
+            {"params": [params[2]]},
+            {"params": params[:2] + params[3:], "use_muon": False, "lr": 1e-2},
+        ]
+        return fusedamp.FusedMuon(groups, **{"lr": 0.02, **options})
     defaults = {"lr": 5e-2, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
     return fusedamp.FusedSGD(params, **{**defaults, **options})
 
@@ -88,9 +94,9 @@ def pair(
     offload_options = {key: options.pop(key) for key in offload_keys if key in options}
     return (
         reference,
-        make_optimizer(kind, reference.parameters(), **options),
+        make_optimizer(kind, list(reference.parameters()), **options),
         offloaded,
-        make_optimizer(kind, offloaded.parameters(), offload="cpu", **options, **offload_options),
+        make_optimizer(kind, list(offloaded.parameters()), offload="cpu", **options, **offload_options),
     )
 
 
@@ -240,6 +246,24 @@ def transfers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 # --- every mode -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["plain", "clipped"])
+@pytest.mark.parametrize("moments", MOMENTS)
+@pytest.mark.parametrize("mode", PARAM_MODES, ids=mode_id)
+def test_offloaded_muon_steps_are_bitwise_the_steps_without_offload(
+    mode: tuple[torch.dtype, Any], moments: str, max_grad_norm: float | None, transfers: str
+) -> None:
+    """FusedMuon (its Muon and AdamW groups) offloaded: the host step gives the bits of the step
+    without offload."""
+    dtype, master_weights = mode
+    reference, opt, offloaded, offloaded_opt = pair(
+        "muon", dtype, master_weights=master_weights, moments=moments, max_grad_norm=max_grad_norm
+    )
+    for step in range(STEPS):
+        train(reference, opt, range(step, step + 1))
+        train(offloaded, offloaded_opt, range(step, step + 1))
+        assert_same(reference, opt, offloaded, offloaded_opt)
 
 
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05], ids=["plain", "clipped"])

@@ -146,7 +146,7 @@ void run_optimizer_step(const Call& call) {
   for_each_chunk(call.lists.numels, [&](int64_t tensor, int64_t begin, int64_t end) {
     chunk(call, coefficients[tensor], tensor, begin, end);
   });
-  increment_steps(steps);
+  if constexpr (Call::kCountsSteps) increment_steps(steps);
 }
 #endif
 

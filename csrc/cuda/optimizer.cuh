@@ -57,7 +57,8 @@ StepArgs<Call> step_args(const Call& call) {
 
 // The host side of an optimizer's CUDA step: on the call's device, a host lr refused under graph
 // capture, then the update: coded(call) in the coded modes (runs_coded), else plain(p, g, m), which
-// launches the plain kernel of the tags' types (param, grad, master kind); then the step counts.
+// launches the plain kernel of the tags' types (param, grad, master kind); then the step counts
+// (Call::kCountsSteps).
 template <typename Call, typename Plain>
 void run_optimizer_step(const Call& call, void (*coded)(const Call&), Plain&& plain) {
   const c10::cuda::CUDAGuard guard(call.device);
@@ -71,7 +72,7 @@ void run_optimizer_step(const Call& call, void (*coded)(const Call&), Plain&& pl
       });
     });
   }
-  increment_steps(call.lists.pointers[Call::kStepList], call.inputs.found_inf);
+  if constexpr (Call::kCountsSteps) increment_steps(call.lists.pointers[Call::kStepList], call.inputs.found_inf);
 }
 
 // [note: optimizer chunk] What a block of an optimizer kernel knows of its chunk before its element

@@ -26,6 +26,7 @@ struct AdamWCall {
   // The lists every optimizer has (ops/optimizer.h).
   static constexpr int kParamList = kAdamWParam, kGradList = kAdamWGrad, kMasterList = kAdamWMaster;
   static constexpr int kStepList = kAdamWStep, kRoundingIdList = kAdamWRoundingId;
+  static constexpr bool kCountsSteps = true;
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const AdamWCall&, const AdamWCoefficients&, int64_t tensor,
                             int64_t begin, int64_t end);

@@ -1,6 +1,7 @@
 // What the call struct of every optimizer op holds (ops/adamw.h, ops/sgd.h), for the code that
 // both backends share around the ops' element math (cpu/optimizer.h, cuda/optimizer.cuh):
 //   kParamList, kGradList, kMasterList, kStepList, kRoundingIdList  its lists of those
+//   kCountsSteps                                                   whether its step advances the counts
 //   param_dtype, grad_dtype, master_kind                           the element types, master kind
 //   hyper, inputs (StepInputs)                                     hyperparameters, AMP scalars
 //   state_codec, rounding (StochasticRounding)                     its states' codec, its rounding

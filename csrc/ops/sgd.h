@@ -25,6 +25,7 @@ struct SgdCall {
   // The lists every optimizer has (ops/optimizer.h).
   static constexpr int kParamList = kSgdParam, kGradList = kSgdGrad, kMasterList = kSgdMaster;
   static constexpr int kStepList = kSgdStep, kRoundingIdList = kSgdRoundingId;
+  static constexpr bool kCountsSteps = true;
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const SgdCall&, const SgdCoefficients&, int64_t tensor, int64_t begin,
                             int64_t end);

@@ -96,6 +96,9 @@ using SgdSignature = void(List, List, List, List, List, double, Optional, double
                           bool, bool, Optional, Optional, Optional, bool, OptionalList, OptionalInts,
                           int64_t, bool);
 
+using MuonMomentumSignature = void(List, List, List, List, double, bool, Optional, Optional, Optional, bool,
+                                   OptionalList, OptionalInts, int64_t);
+
 // What the optional list arguments of one unboxed call point into (the stack holds IValues).
 struct OwnedLists {
   OwnedLists() {
@@ -170,6 +173,7 @@ PreparedCall::Invoke unboxed_for(const c10::OperatorHandle& op, size_t lists) {
   const std::string& name = op.schema().name();
   if (name == "fusedamp::adamw_") return Unboxed<AdamwSignature>::for_op(op, lists);
   if (name == "fusedamp::sgd_") return Unboxed<SgdSignature>::for_op(op, lists);
+  if (name == "fusedamp::muon_momentum_") return Unboxed<MuonMomentumSignature>::for_op(op, lists);
   if (name == "fusedamp::check_and_norm_") return Unboxed<CheckAndNormSignature>::for_op(op, lists);
   return nullptr;
 }

@@ -264,14 +264,15 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
         """The other arguments of ``_op`` for ``bucket``, by name, read at each step."""
 
-    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars) -> None:
-        """One fused op call on ``bucket``, its state made by _state_of."""
+    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars, **overrides: Any) -> None:
+        """One fused op call on ``bucket``, its state made by _state_of; ``overrides`` replace
+        keywords of _op_keywords (an offloaded step writes no grads)."""
         if bucket.call is None:
             if bucket.grads_from_params:
                 bucket.call = op_call(self._op, self._op_lists(bucket), bucket.params, 1)
             else:
                 bucket.call = op_call(self._op, self._op_lists(bucket))
-        bucket.call(**self._op_keywords(bucket, scalars))
+        bucket.call(**{**self._op_keywords(bucket, scalars), **overrides})
 
     @abstractmethod
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:

@@ -61,7 +61,7 @@ from torch import Tensor
 
 from fusedamp import _C, _dtensor, ops
 from fusedamp._layout import is_dense
-from fusedamp.optim._plan import PlannedOptimizer, group_signature, op_call, same_signature
+from fusedamp.optim._plan import PlannedOptimizer, group_signature, same_signature
 from fusedamp.optim._step import AmpScalars, Bucket, on_device
 
 
@@ -70,7 +70,6 @@ class OffloadedOptimizer(PlannedOptimizer, Protocol):
 
     max_grad_norm: float | None
     _pending_clip_coef: Tensor | None
-    _op: str
 
     def offload_no_sync(self) -> AbstractContextManager[None]: ...
 
@@ -80,9 +79,7 @@ class OffloadedOptimizer(PlannedOptimizer, Protocol):
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None: ...
 
-    def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]: ...
-
-    def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]: ...
+    def _step_bucket(self, bucket: Bucket, scalars: AmpScalars, **overrides: Any) -> None: ...
 
     def _dense_grad(self, param: Tensor, grad: Tensor) -> Tensor: ...
 
@@ -753,12 +750,8 @@ class Offload:
         if bucket.native:
             optimizer._step_native(bucket, scalars)
             return
-        if bucket.call is None:
-            bucket.call = op_call(optimizer._op, optimizer._op_lists(bucket))
-        keywords = optimizer._op_keywords(bucket, scalars)
         # The host grads are a copy that the next backward overwrites: not worth the write.
-        keywords["write_unscaled_grads"] = False
-        bucket.call(**keywords)
+        optimizer._step_bucket(bucket, scalars, write_unscaled_grads=False)
 
     def _step_ready(self) -> None:
         """The worker's task (step_in_backward): steps the params whose grads the hooks handed

@@ -123,82 +123,103 @@ class FusedAdamW(FusedOptimizer):
         super().__init__(params, defaults, max_grad_norm, offload, offload_gradients, step_in_backward)
 
     def _check_hyperparameters(self) -> None:
-        """The base rule, and the constructor's betas rule for betas changed after it (a beta1
-        of 1 divides by zero, as torch raises); a float lr whose first bias-corrected step size,
-        lr / (1 - beta1), overflows float32 is refused as torch's conversion refuses it."""
         super()._check_hyperparameters()
-        for index, group in enumerate(self.param_groups):
-            betas, lr = group["betas"], group["lr"]
-            for position, beta in enumerate(betas):
-                if isinstance(beta, float) and not 0.0 <= beta < 1.0:
-                    raise ValueError(
-                        f"Invalid beta parameter at index {position}: {beta} (param group {index})"
-                    )
-            if isinstance(lr, float) and isinstance(betas[0], float) and lr / (1.0 - betas[0]) > _FLOAT32_MAX:
-                raise ValueError(
-                    f"FusedAdamW: lr={lr} in param group {index}: the step size lr / (1 - beta1) "
-                    "overflows float32"
-                )
+        check_adamw_groups(type(self).__name__, enumerate(self.param_groups))
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        if group["amsgrad"]:
-            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-        return ("exp_avg", "exp_avg_sq")
+        return adamw_moment_keys(group)
 
     _op = "adamw_"
     _call_options = frozenset({"lr", "betas", "eps", "weight_decay", "maximize", "write_unscaled_grads"})
     _float_options = ("lr", "betas", "eps", "weight_decay")
 
     def _op_lists(self, bucket: Bucket) -> list[list[Tensor]]:
-        return [
-            bucket.params,
-            bucket.grads,
-            bucket.state_list("exp_avg"),
-            bucket.state_list("exp_avg_sq"),
-            bucket.state_list("max_exp_avg_sq") if bucket.group["amsgrad"] else [],
-            bucket.masters(),
-            bucket.state_list("step"),
-        ]
+        return adamw_op_lists(bucket)
 
     def _op_keywords(self, bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
-        group = bucket.group
-        beta1, beta2 = group["betas"]
-        return {
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": group["eps"],
-            "weight_decay": group["weight_decay"],
-            "amsgrad": group["amsgrad"],
-            "exp_avg_scales": bucket.scales("exp_avg"),
-            "exp_avg_sq_scales": bucket.scales("exp_avg_sq"),
-            "max_exp_avg_sq_scales": bucket.scales("max_exp_avg_sq") if group["amsgrad"] else None,
-            **bucket.rounding(),
-            **scalars.op_keywords(bucket),
-        }
+        return adamw_op_keywords(bucket, scalars)
 
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
-        # torch's fused AdamW reads the step count after the increment and skips on found_inf == 1.
-        group = bucket.group
-        beta1, beta2 = group["betas"]
-        steps = bucket.state_list("step")
-        found_inf = None if scalars.found_inf is None else (scalars.found_inf != 0).float()
-        grads = native_grads(bucket, scalars)
-        torch._foreach_add_(steps, 1.0)
-        torch._fused_adamw_(
-            bucket.params,
-            grads,
-            bucket.state_list("exp_avg"),
-            bucket.state_list("exp_avg_sq"),
-            bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
-            steps,
-            lr=lr_for_device(group["lr"], bucket.device),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            found_inf=found_inf,
-        )
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))
+        adamw_step_native(bucket, scalars)
+
+
+def adamw_moment_keys(group: dict[str, Any]) -> tuple[str, ...]:
+    """The moments an AdamW group's params keep."""
+    if group["amsgrad"]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    return ("exp_avg", "exp_avg_sq")
+
+
+def check_adamw_groups(name: str, groups: Iterable[tuple[int, dict[str, Any]]]) -> None:
+    """The constructor's betas rule for betas changed after it (a beta1 of 1 divides by zero, as
+    torch raises); a float lr whose first bias-corrected step size, lr / (1 - beta1), overflows
+    float32 is refused as torch's conversion refuses it. ``groups``: (index, group) pairs."""
+    for index, group in groups:
+        betas, lr = group["betas"], group["lr"]
+        for position, beta in enumerate(betas):
+            if isinstance(beta, float) and not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {position}: {beta} (param group {index})")
+        if isinstance(lr, float) and isinstance(betas[0], float) and lr / (1.0 - betas[0]) > _FLOAT32_MAX:
+            raise ValueError(
+                f"{name}: lr={lr} in param group {index}: the step size lr / (1 - beta1) overflows float32"
+            )
+
+
+def adamw_op_lists(bucket: Bucket) -> list[list[Tensor]]:
+    """The tensor lists of adamw_ for an AdamW bucket."""
+    return [
+        bucket.params,
+        bucket.grads,
+        bucket.state_list("exp_avg"),
+        bucket.state_list("exp_avg_sq"),
+        bucket.state_list("max_exp_avg_sq") if bucket.group["amsgrad"] else [],
+        bucket.masters(),
+        bucket.state_list("step"),
+    ]
+
+
+def adamw_op_keywords(bucket: Bucket, scalars: AmpScalars) -> dict[str, Any]:
+    """The other arguments of adamw_ for an AdamW bucket, read from its group at each step."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    return {
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+        "amsgrad": group["amsgrad"],
+        "exp_avg_scales": bucket.scales("exp_avg"),
+        "exp_avg_sq_scales": bucket.scales("exp_avg_sq"),
+        "max_exp_avg_sq_scales": bucket.scales("max_exp_avg_sq") if group["amsgrad"] else None,
+        **bucket.rounding(),
+        **scalars.op_keywords(bucket),
+    }
+
+
+def adamw_step_native(bucket: Bucket, scalars: AmpScalars) -> None:
+    """The step of a float64 / complex128 AdamW bucket, by torch's fused AdamW kernel, which reads
+    the step count after the increment and skips on found_inf == 1."""
+    group = bucket.group
+    beta1, beta2 = group["betas"]
+    steps = bucket.state_list("step")
+    found_inf = None if scalars.found_inf is None else (scalars.found_inf != 0).float()
+    grads = native_grads(bucket, scalars)
+    torch._foreach_add_(steps, 1.0)
+    torch._fused_adamw_(
+        bucket.params,
+        grads,
+        bucket.state_list("exp_avg"),
+        bucket.state_list("exp_avg_sq"),
+        bucket.state_list("max_exp_avg_sq") if group["amsgrad"] else [],
+        steps,
+        lr=lr_for_device(group["lr"], bucket.device),
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        amsgrad=group["amsgrad"],
+        maximize=group["maximize"],
+        found_inf=found_inf,
+    )
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))
