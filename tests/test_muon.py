@@ -426,6 +426,8 @@ def test_errors_name_the_problem() -> None:
         fusedamp.FusedMuon([torch.zeros(3, 4, requires_grad=True)], ns_dtype=torch.float16)
     with pytest.raises(ValueError, match="momentum should be >= 0"):
         fusedamp.FusedMuon([torch.zeros(3, 4, requires_grad=True)], momentum=-1.0)
+    with pytest.raises(ValueError, match="maximize=True is for AdamW groups"):
+        fusedamp.FusedMuon([{"params": [torch.zeros(3, 4, requires_grad=True)], "maximize": True}])
     with pytest.raises(TypeError, match="Muon groups take real matrices"):
         fusedamp.FusedMuon([torch.zeros(3, 4, dtype=torch.complex64, requires_grad=True)])
     adamw_only = fusedamp.FusedMuon([{"params": [torch.zeros(4, requires_grad=True)], "use_muon": False}])

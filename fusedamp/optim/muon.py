@@ -164,6 +164,8 @@ class FusedMuon(FusedOptimizer):
             if not 0.0 <= group["weight_decay"]:
                 raise ValueError(f"Invalid weight_decay value: {group['weight_decay']} (param group {index})")
             return
+        if group["maximize"]:
+            raise ValueError("maximize=True is for AdamW groups; torch.optim.Muon has no maximize")
         if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
         if len(group["ns_coefficients"]) != 3:
