@@ -18,6 +18,8 @@ inline namespace FUSEDAMP_ISA {
 // modes (runs_coded, [note: block staging]), else plain(p, g, m, flags...). Each argument is a
 // tag whose ::value is a template argument of the kernel: the param and grad element types, the
 // master kind, the state codec, and one bool per flag (the op's, e.g. amsgrad and write_grad).
+// fp32 states take the coded loop only for stochastically rounded params (half, no master: the
+// ops' checks admit nothing else), so no other fp32 coded kernel is built.
 template <typename Call, size_t N, typename Plain, typename Coded>
 [[gnu::always_inline]] inline void dispatch_optimizer_chunk(const Call& call, const bool (&flags)[N],
                                                             Plain&& plain, Coded&& coded) {
@@ -27,7 +29,12 @@ template <typename Call, size_t N, typename Plain, typename Coded>
       with_master_kind<p.value>(call.master_kind, [&](auto m) {
         if (coded_modes) {
           with_state_codec(call.state_codec, [&](auto codec) {
-            with_bools(flags, [&](auto... flag) { coded(p, g, m, codec, flag...); });
+            constexpr bool kStochasticOnly = codec.value == StateCodec::kFloat32;
+            if constexpr (!kStochasticOnly || (p.value != DType::kFloat32 && m.value == MasterKind::kNone)) {
+              with_bools(flags, [&](auto... flag) { coded(p, g, m, codec, flag...); });
+            } else {
+              fail_no_kernel("fp32 states of params rounded to nearest in the coded loop", int32_t(codec.value));
+            }
           });
         } else {
           with_bools(flags, [&](auto... flag) { plain(p, g, m, flag...); });

@@ -81,7 +81,8 @@ void muon_chunk(const MuonCall& call, const MuonCoefficients& coefficients, int6
         }
       },
       [&](auto u, auto g, auto m, auto codec, auto write_grad) {
-        if constexpr (kMuonTypes<u.value, m.value>) {
+        // Coded only for bf16 / int8 buffers: the updates are never rounded stochastically.
+        if constexpr (kMuonTypes<u.value, m.value> && codec.value != StateCodec::kFloat32) {
           muon_block_range<u.value, g.value, codec.value, write_grad.value>(call, tensor, coefficients,
                                                                              multiplier, begin, end);
         }
