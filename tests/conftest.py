@@ -33,6 +33,13 @@ def _supported(isa: str) -> bool:
 
 SUPPORTED_CPU_ISAS = tuple(isa for isa in ALL_CPU_ISAS if _supported(isa))
 
+# For tests that compare a vector build with the baseline (scalar) kernels, which a native build
+# on an AVX2 or AVX-512 CPU leaves out (FUSEDAMP_CPU_ISAS=all builds them, as CI does).
+needs_baseline_kernels = pytest.mark.skipif(
+    "baseline" not in SUPPORTED_CPU_ISAS,
+    reason="no baseline kernels here (FUSEDAMP_CPU_ISAS=all builds them)",
+)
+
 # For tests that run fusedamp's CUDA kernels (import it: `from conftest import needs_cuda`).
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and fusedamp.build_info()["cuda_compiled"]),

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_baseline_kernels
 
 import fusedamp.ops as ops
 from fusedamp import _C
@@ -126,6 +127,7 @@ def _every_bit_pattern(low_bits_seed: int) -> torch.Tensor:
     return (high | low).to(torch.int32).view(torch.float32)
 
 
+@needs_baseline_kernels
 @pytest.mark.parametrize("signed", [True, False])
 def test_vector_codes_equal_the_element_codes_for_every_bit_pattern(cpu_isa: str, signed: bool) -> None:
     """The AVX-512 and AVX2 builds encode a vector at a time ([note: vector codes]); their codes
@@ -150,6 +152,7 @@ def test_vector_codes_equal_the_element_codes_for_every_bit_pattern(cpu_isa: str
         assert torch.equal(decoded.view(torch.int32), expected_decoded.view(torch.int32))
 
 
+@needs_baseline_kernels
 @pytest.mark.parametrize("signed", [True, False])
 def test_every_code_decodes_as_the_element_function_on_every_build(cpu_isa: str, signed: bool) -> None:
     """Powers of two from the top exponent where the vector decoders add to the exponent
@@ -169,6 +172,7 @@ def test_every_code_decodes_as_the_element_function_on_every_build(cpu_isa: str,
     assert torch.equal(decoded.view(torch.int32), expected.view(torch.int32))
 
 
+@needs_baseline_kernels
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("numel", [256, 300, 4097])
 def test_blocks_with_and_without_special_codes_decode_as_the_element_function(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_baseline_kernels
 
 from fusedamp import _C, ops
 
@@ -50,6 +51,7 @@ def test_random_floats_round_like_torch(cpu_isa: str, dtype: torch.dtype) -> Non
         assert torch.equal(grads[0].view(torch.int16), expected.view(torch.int16))
 
 
+@needs_baseline_kernels
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("inv_scale", [1.0, 0.7, 2.0**-20])
 def test_isa_builds_agree_bitwise_nan_payloads_included(cpu_isa: str, dtype: torch.dtype, inv_scale: float):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SUPPORTED_CPU_ISAS, needs_cuda
+from conftest import SUPPORTED_CPU_ISAS, needs_baseline_kernels, needs_cuda
 from torch import nn
 
 import fusedamp
@@ -148,6 +148,7 @@ def test_float64_params_step_as_torch_muon() -> None:
     assert relative_displacement(params, theirs) < 2e-2
 
 
+@needs_baseline_kernels
 @pytest.mark.parametrize("isa", SUPPORTED_CPU_ISAS)
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
 def test_bitwise_across_isas_and_threads(isa: str, moments: str) -> None:

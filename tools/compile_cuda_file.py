@@ -36,7 +36,9 @@ DEFAULT_ARCHS = "7.5;8.0;9.0a"
 NVCC_FLAGS = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "--fmad=false"]
 # setup.py's define_macros with every CPU kernel build on (FUSEDAMP_CPU_ISAS=all, as in CI); nvcc
 # sees them as the C++ compiler does.
-DEFINES = ["FUSEDAMP_WITH_CUDA=1", "FUSEDAMP_BUILT_AVX512=1", "FUSEDAMP_BUILT_AVX2=1"]
+DEFINES = [
+    "FUSEDAMP_WITH_CUDA=1", "FUSEDAMP_BUILT_AVX512=1", "FUSEDAMP_BUILT_AVX2=1", "FUSEDAMP_BUILT_BASELINE=1"
+]
 ARCH = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
 # ptxas and nvcc warnings worth a look (spill reports come with -Xptxas -v only, see check_ptxas).
 WARNING = re.compile(r"\bwarning\b", re.IGNORECASE)

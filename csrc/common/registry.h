@@ -96,10 +96,17 @@ typename Call::CpuChunk cpu_chunk() {
   static const ::fusedamp::RegisterKernel<Call> fusedamp_registered_##kernel( \
       ::c10::DeviceType::device, &kernel)
 
-// In a file of csrc/cpu/kernels/: registers `chunk` for Call in the ISA build being compiled.
+// In a file of csrc/cpu/kernels/: registers `chunk` for Call in the ISA build being compiled. A
+// baseline build of the drivers alone (FUSEDAMP_CPU_DRIVERS_ONLY, setup.py's native builds on a
+// CPU with a better ISA) names the chunk without using it, so that the compiler drops it and
+// every kernel it would instantiate.
+#ifdef FUSEDAMP_CPU_DRIVERS_ONLY
+#define FUSEDAMP_REGISTER_CPU_CHUNK(Call, chunk) static_assert(sizeof(&chunk) != 0)
+#else
 #define FUSEDAMP_REGISTER_CPU_CHUNK(Call, chunk)                                 \
   static const ::fusedamp::RegisterCpuChunk<Call> fusedamp_registered_##chunk( \
       ::fusedamp::CpuIsa::FUSEDAMP_CPU_ISA_ID, &chunk)
+#endif
 
 // In an op's file: the op's one C++ function serves every dispatch key it has kernels for.
 #ifdef FUSEDAMP_WITH_CUDA

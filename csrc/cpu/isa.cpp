@@ -12,15 +12,15 @@ namespace fusedamp {
 namespace cpu {
 namespace {
 
-#if !defined(FUSEDAMP_BUILT_AVX512) || !defined(FUSEDAMP_BUILT_AVX2)
-#error "setup.py defines FUSEDAMP_BUILT_AVX512 and FUSEDAMP_BUILT_AVX2 (which ISA builds exist)"
+#if !defined(FUSEDAMP_BUILT_AVX512) || !defined(FUSEDAMP_BUILT_AVX2) || !defined(FUSEDAMP_BUILT_BASELINE)
+#error "setup.py defines FUSEDAMP_BUILT_AVX512, _AVX2 and _BASELINE (which ISAs' kernels exist)"
 #endif
 
 // Whether this build of _C has the ISA's kernels (setup.py, FUSEDAMP_CPU_ISAS).
 bool built(CpuIsa isa) {
   if (isa == CpuIsa::kAvx512) return FUSEDAMP_BUILT_AVX512;
   if (isa == CpuIsa::kAvx2) return FUSEDAMP_BUILT_AVX2;
-  return true;
+  return FUSEDAMP_BUILT_BASELINE;
 }
 
 bool cpu_has(CpuIsa isa) {
@@ -53,10 +53,12 @@ CpuIsa detect_isa() {
   if (const char* forced = std::getenv("FUSEDAMP_CPU_ISA")) {
     if (*forced) return checked_isa(forced);
   }
-  for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+  for (const CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2, CpuIsa::kBaseline}) {
     if (cpu_has(isa) && built(isa)) return isa;
   }
-  return CpuIsa::kBaseline;
+  TORCH_CHECK(false, "fusedamp was built with the CPU kernels of another machine's ISA (FUSEDAMP_CPU_ISAS=",
+              "native) and this CPU cannot run them; rebuild here, or with FUSEDAMP_CPU_ISAS=all for ",
+              "every ISA");
 }
 
 int checked_prefetch_blocks(int64_t blocks) {
