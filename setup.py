@@ -242,11 +242,20 @@ def cpu_kernel_sources() -> list[str]:
                 with open(full, "w") as out:
                     out.write(text)
             generated.append(path)
-    return generated
+    # The longest compiles first (the optimizers' vector builds), so that the short ones fill
+    # the other jobs while they run instead of leaving one of them last and alone.
+    optimizers = ("adamw", "sgd", "muon")
+
+    def compile_order(path: str) -> tuple[int, bool]:
+        name = os.path.splitext(os.path.basename(path))[0]
+        rank = optimizers.index(name) if name in optimizers else len(optimizers)
+        return rank, drivers_only and os.sep + "baseline" + os.sep in path
+
+    return sorted(generated, key=compile_order)
 
 
-ext_sources = (sources("csrc/*.cpp") + sources("csrc/common/*.cpp") + sources("csrc/ops/*.cpp")
-               + sources("csrc/python/*.cpp") + sources("csrc/cpu/*.cpp") + cpu_kernel_sources())
+ext_sources = (cpu_kernel_sources() + sources("csrc/*.cpp") + sources("csrc/common/*.cpp")
+               + sources("csrc/ops/*.cpp") + sources("csrc/python/*.cpp") + sources("csrc/cpu/*.cpp"))
 if with_cuda:
     nvcc_flags = ["-O3", "-lineinfo", "--expt-relaxed-constexpr", "--fmad=false"]
     if os.environ.get("FUSEDAMP_PTXAS_VERBOSE") == "1":

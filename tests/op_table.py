@@ -1417,8 +1417,9 @@ _UNWRITTEN_UPDATE = 7.0
 
 
 def _muon_samples(device: str, dtype: torch.dtype) -> list[Sample]:
-    # dtype is the grads'; the updates are fp32 for fp32 grads, else bf16 (the orthogonalization's).
-    update_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    # dtype is the grads'; the updates bf16 (the orthogonalization's) for bf16 grads, else fp32 (the
+    # kernels pair fp16 with fp16 or fp32 only).
+    update_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     variants = {"empty_tensor": {"nesterov": False}, "no_masters": {"momentum": 0.3}}
     samples = []
     for name, case in _optimizer_cases(dtype).items():
@@ -1552,7 +1553,7 @@ MUON_MOMENTUM = OpEntry(
     bad_inputs=tuple(_muon_bad_inputs()),
     uses_cpu_isa=True,
     observe=_muon_observe,
-    notes="the dtype is the grads'; updates fp32 (fp32 grads) or bf16, written, never read (a skipped "
+    notes="the dtype is the grads'; updates bf16 (bf16 grads) or fp32, written, never read (a skipped "
     "step leaves them as they were); momentum buffers fp32, bf16 or 8-bit codes; steps read only.",
 )
 

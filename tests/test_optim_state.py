@@ -179,3 +179,32 @@ def test_deep_copies_and_pickles_keep_fusedamps_options() -> None:
         step_on_seeded_grads(clone, clone_params, range(2, 3))
         assert clone.last_grad_norm is not None
         assert clone.state[clone_params[3]]["master"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "grad_dtype"), [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)]
+)
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
+def test_grads_of_the_other_half_dtype_step_as_their_fp32_values(cls, param_dtype, grad_dtype) -> None:
+    """A half param whose grad is the other half type (param.grad_dtype set; torch refuses it by
+    default) steps through an fp32 copy of the grad: the bits of the step on those fp32 grads,
+    and the unscaled grad written back as the kernels write it. The ops themselves refuse the pair."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(300, generator=generator)
+    crossed, reference = values.to(param_dtype), values.to(param_dtype)
+    crossed.grad_dtype, reference.grad_dtype = grad_dtype, torch.float32
+    options = {"lr": 1e-2, "momentum": 0.9} if cls is FusedSGD else {"lr": 1e-2}
+    crossed_opt, reference_opt = cls([crossed], **options), cls([reference], **options)
+    for _ in range(3):
+        grad = (torch.randn(300, generator=generator) * 2.0**8).to(grad_dtype)
+        crossed.grad, reference.grad = grad.clone(), grad.float()
+        for opt in (crossed_opt, reference_opt):
+            opt.grad_scale, opt.found_inf = torch.tensor(2.0**8), torch.zeros(())
+            opt.step()
+        assert crossed.grad.dtype == grad_dtype
+        assert torch.equal(crossed.grad, reference.grad.to(grad_dtype))
+    assert torch.equal(crossed, reference)
+    with pytest.raises(TypeError, match="grads are .* but params .*; pass grads of the params' dtype"):
+        params, grads = [torch.zeros(3, dtype=param_dtype)], [torch.zeros(3, dtype=grad_dtype)]
+        scalars = (1e-2, None, 0.0, 0.0, 0.0, False, False, None, None, None, True)
+        torch.ops.fusedamp.sgd_(params, grads, [], [], [torch.zeros(())], *scalars)

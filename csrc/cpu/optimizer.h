@@ -19,27 +19,32 @@ inline namespace FUSEDAMP_ISA {
 // tag whose ::value is a template argument of the kernel: the param and grad element types, the
 // master kind, the state codec, and one bool per flag (the op's, e.g. amsgrad and write_grad).
 // fp32 states take the coded loop only for stochastically rounded params (half, no master: the
-// ops' checks admit nothing else), so no other fp32 coded kernel is built.
+// ops' checks admit nothing else), so no other fp32 coded kernel is built; nor any kernel for a
+// (param, grad) pair that check_optimizer_lists refuses (kSteppedGradType).
 template <typename Call, size_t N, typename Plain, typename Coded>
 [[gnu::always_inline]] inline void dispatch_optimizer_chunk(const Call& call, const bool (&flags)[N],
                                                             Plain&& plain, Coded&& coded) {
   const bool coded_modes = runs_coded(call);
   with_float_dtype(call.param_dtype, [&](auto p) {
     with_float_dtype(call.grad_dtype, [&](auto g) {
-      with_master_kind<p.value>(call.master_kind, [&](auto m) {
-        if (coded_modes) {
-          with_state_codec(call.state_codec, [&](auto codec) {
-            constexpr bool kStochasticOnly = codec.value == StateCodec::kFloat32;
-            if constexpr (!kStochasticOnly || (p.value != DType::kFloat32 && m.value == MasterKind::kNone)) {
-              with_bools(flags, [&](auto... flag) { coded(p, g, m, codec, flag...); });
-            } else {
-              fail_no_kernel("fp32 states of params rounded to nearest in the coded loop", int32_t(codec.value));
-            }
-          });
-        } else {
-          with_bools(flags, [&](auto... flag) { plain(p, g, m, flag...); });
-        }
-      });
+      if constexpr (!kSteppedGradType<p.value, g.value>) {
+        fail_no_kernel("grad element type", int32_t(g.value), int32_t(p.value));
+      } else {
+        with_master_kind<p.value>(call.master_kind, [&](auto m) {
+          if (coded_modes) {
+            with_state_codec(call.state_codec, [&](auto codec) {
+              constexpr bool kStochasticOnly = codec.value == StateCodec::kFloat32;
+              if constexpr (!kStochasticOnly || (p.value != DType::kFloat32 && m.value == MasterKind::kNone)) {
+                with_bools(flags, [&](auto... flag) { coded(p, g, m, codec, flag...); });
+              } else {
+                fail_no_kernel("fp32 states of params rounded to nearest in the coded loop", int32_t(codec.value));
+              }
+            });
+          } else {
+            with_bools(flags, [&](auto... flag) { plain(p, g, m, flag...); });
+          }
+        });
+      }
     });
   });
 }

@@ -135,24 +135,28 @@ void with_coded_kernel(const Call& call, Launch&& launch) {
   with_float_dtype(call.param_dtype, [&](auto p) {
     constexpr DType P = decltype(p)::value;
     with_float_dtype(call.grad_dtype, [&](auto g) {
-      if (call.rounding.enabled) {
-        // The op's checks (check_rounding_ids) admit nothing else: a call that gets here otherwise
-        // is a bug, never a silent no-op.
-        TORCH_CHECK(P != DType::kFloat32 && call.master_kind == MasterKind::kNone, "fusedamp internal error: ",
-                    Call::kOp, ": stochastic params need half params without masters");
-        if constexpr (P != DType::kFloat32) {
-          with_state_codec(call.state_codec,
-                           [&](auto c) { launch(p, g, MasterTag<MasterKind::kNone>{}, c, std::true_type{}); });
+      if constexpr (!kSteppedGradType<P, decltype(g)::value>) {
+        fail_no_kernel("grad element type", int32_t(decltype(g)::value), int32_t(P));
+      } else {
+        if (call.rounding.enabled) {
+          // The op's checks (check_rounding_ids) admit nothing else: a call that gets here otherwise
+          // is a bug, never a silent no-op.
+          TORCH_CHECK(P != DType::kFloat32 && call.master_kind == MasterKind::kNone, "fusedamp internal error: ",
+                      Call::kOp, ": stochastic params need half params without masters");
+          if constexpr (P != DType::kFloat32) {
+            with_state_codec(call.state_codec,
+                             [&](auto c) { launch(p, g, MasterTag<MasterKind::kNone>{}, c, std::true_type{}); });
+          }
+          return;
         }
-        return;
+        with_master_kind<P>(call.master_kind, [&](auto m) {
+          if (call.state_codec == StateCodec::kBFloat16) {
+            launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kBFloat16>{}, std::false_type{});
+          } else {
+            launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kInt8>{}, std::false_type{});
+          }
+        });
       }
-      with_master_kind<P>(call.master_kind, [&](auto m) {
-        if (call.state_codec == StateCodec::kBFloat16) {
-          launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kBFloat16>{}, std::false_type{});
-        } else {
-          launch(p, g, m, std::integral_constant<StateCodec, StateCodec::kInt8>{}, std::false_type{});
-        }
-      });
     });
   });
 }

@@ -67,8 +67,14 @@ void run_optimizer_step(const Call& call, void (*coded)(const Call&), Plain&& pl
     coded(call);
   } else {
     with_float_dtype(call.param_dtype, [&](auto p) {
+      constexpr DType P = decltype(p)::value;
       with_float_dtype(call.grad_dtype, [&](auto g) {
-        with_master_kind<decltype(p)::value>(call.master_kind, [&](auto m) { plain(p, g, m); });
+        constexpr DType G = decltype(g)::value;
+        if constexpr (!kSteppedGradType<P, G>) {
+          fail_no_kernel("grad element type", int32_t(G), int32_t(P));
+        } else {
+          with_master_kind<P>(call.master_kind, [&](auto m) { plain(p, g, m); });
+        }
       });
     });
   }

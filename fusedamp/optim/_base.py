@@ -50,6 +50,7 @@ __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
 _SUPPORTED_DTYPES = (torch.float32, *HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+HALF_PAIR = set(HALF_DTYPES)  # fp16 and bf16: a param and grad pair without kernels
 # Tensor types that are never a DTensor: the step takes them as they are.
 _PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
 
@@ -602,7 +603,12 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         if host_copies is None:
             host_copies = ((group, param, param, grad) for group, param, grad in self._grads())
         for group, param, work_param, work_grad in host_copies:
-            key = (id(group), work_param.device, work_param.dtype, work_grad.dtype)
+            # fp16 params with bf16 grads (or the reverse), which the kernels do not pair: through
+            # an fp32 copy of the grads (exact), written back when the step writes grads.
+            grad_dtype = work_grad.dtype
+            cross_half = grad_dtype != work_param.dtype and {grad_dtype, work_param.dtype} == HALF_PAIR
+            grad_dtype = torch.float32 if cross_half else grad_dtype
+            key = (id(group), work_param.device, work_param.dtype, grad_dtype)
             bucket = buckets.get(key)
             if bucket is None:
                 dtype = work_param.dtype
@@ -614,6 +620,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     group, work_param.device, master_key, ("step", *moment_keys),
                     native=not has_kernel(dtype), complex=work_param.is_complex(),
                     stochastic=group["master_weights"] == "stochastic" and dtype in HALF_DTYPES,
+                    grad_dtype=grad_dtype,
                 )
             if type(work_param) not in _PLAIN_TENSORS or type(work_grad) not in _PLAIN_TENSORS:
                 # DTensor (FSDP2) params are updated through their local shards.
@@ -622,6 +629,10 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             # The common case, both contiguous, needs no further look at the layouts.
             if not (work_param.is_contiguous() and work_grad.is_contiguous()):
                 work_param, work_grad = kernel_layouts(bucket, work_param, work_grad)
+            if cross_half:
+                float_grad = like(work_grad, work_param, torch.float32)
+                bucket.grad_write_backs.append((work_grad, float_grad))
+                work_grad = float_grad
             if bucket.complex:
                 bucket.params.append(real_view(work_param))
                 bucket.grads.append(real_view(work_grad))

@@ -47,6 +47,7 @@ class Bucket:
     native: bool  # float64 / complex128: torch's ops step it, not fusedamp's kernels
     complex: bool  # complex params: the kernels get the real views of params, grads and moments
     stochastic: bool = False  # half params rounded stochastically (master_weights="stochastic")
+    grad_dtype: torch.dtype | None = None  # the grads' as the kernels get them
     param_ids: list[int] = field(default_factory=list)  # the params' indices in the optimizer
     params: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)

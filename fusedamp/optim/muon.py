@@ -235,6 +235,11 @@ class FusedMuon(FusedOptimizer):
         advance_steps(steps, scalars.found_inf)
 
 
+def _paired(param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> bool:
+    """Whether the fused steps pair these (param, grad) element types (csrc's kSteppedGradType)."""
+    return param_dtype == grad_dtype or torch.float32 in (param_dtype, grad_dtype)
+
+
 _SHARDED_MESSAGE = (
     "FusedMuon: {where} is a DTensor (an FSDP2 or tensor-parallel shard). Muon orthogonalizes whole "
     "matrices and FusedMuon does not gather sharded ones: step such params in a group with "
@@ -255,6 +260,12 @@ class _MuonStep:
                 raise NotImplementedError(_SHARDED_MESSAGE.format(where=f"param {index}"))
         self.bucket = bucket
         group = bucket.group
+        # The orthogonalization's dtype, unless the kernels have no pair of it with the grads or
+        # the params (fp16 and bf16): fp32 updates then, orthogonalized as ns_dtype copies.
+        self.update_dtype = group["ns_dtype"]
+        param_dtype = bucket.params[0].dtype
+        if not (_paired(self.update_dtype, bucket.grad_dtype) and _paired(param_dtype, self.update_dtype)):
+            self.update_dtype = torch.float32
         by_shape: dict[torch.Size, list[int]] = {}
         for position, param in enumerate(bucket.params):
             by_shape.setdefault(param.shape, []).append(position)
@@ -264,7 +275,7 @@ class _MuonStep:
         steps = bucket.state_list("step")
         masters = bucket.masters()
         for shape, positions in by_shape.items():
-            batch = torch.empty((len(positions), *shape), dtype=group["ns_dtype"], device=bucket.device)
+            batch = torch.empty((len(positions), *shape), dtype=self.update_dtype, device=bucket.device)
             for row, position in enumerate(positions):
                 updates[position] = batch[row]
             lists = [
@@ -297,7 +308,8 @@ class _MuonStep:
         )
         lr = lr_for_device(group["lr"], bucket.device)
         for shape, batch, update_params, ids in self.shapes:
-            batch.copy_(orthogonalize(batch, group["ns_coefficients"], group["ns_steps"], group["eps"]))
+            updates = batch.to(group["ns_dtype"])
+            batch.copy_(orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"]))
             ratio = adjusted_lr_ratio(group["adjust_lr_fn"], shape)
             shape_lr = lr * ratio
             update_params(
