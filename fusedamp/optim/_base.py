@@ -50,7 +50,7 @@ __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
 _SUPPORTED_DTYPES = (torch.float32, *HALF_DTYPES, torch.float64, torch.complex64, torch.complex128)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-HALF_PAIR = set(HALF_DTYPES)  # fp16 and bf16: a param and grad pair without kernels
+_HALF_PAIR = set(HALF_DTYPES)  # fp16 and bf16: a param and grad pair without kernels
 # Tensor types that are never a DTensor: the step takes them as they are.
 _PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
 
@@ -606,7 +606,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             # fp16 params with bf16 grads (or the reverse), which the kernels do not pair: through
             # an fp32 copy of the grads (exact), written back when the step writes grads.
             grad_dtype = work_grad.dtype
-            cross_half = grad_dtype != work_param.dtype and {grad_dtype, work_param.dtype} == HALF_PAIR
+            cross_half = grad_dtype != work_param.dtype and {grad_dtype, work_param.dtype} == _HALF_PAIR
             grad_dtype = torch.float32 if cross_half else grad_dtype
             key = (id(group), work_param.device, work_param.dtype, grad_dtype)
             bucket = buckets.get(key)
