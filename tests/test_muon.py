@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -446,73 +447,72 @@ def test_errors_name_the_problem() -> None:
         adamw_only.step()
 
 
-def test_dtensor_params_are_refused_in_muon_groups() -> None:
-    """FSDP2 / tensor-parallel shards: Muon needs whole matrices; the error says what to do."""
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-process gloo group for the test, destroyed after it."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up")
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        param = nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
-        with pytest.raises(NotImplementedError, match="DTensor .* does not gather sharded ones"):
-            fusedamp.FusedMuon([param])
-        fusedamp.FusedMuon([{"params": [param], "use_muon": False}])  # AdamW groups take them
+        yield
     finally:
         dist.destroy_process_group()
 
 
-def test_distributed_checkpoint_resume_is_bitwise(tmp_path: Path) -> None:
+def test_dtensor_params_are_refused_in_muon_groups(one_rank_group: None) -> None:
+    """FSDP2 / tensor-parallel shards: Muon needs whole matrices; the error says what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+    with pytest.raises(NotImplementedError, match="DTensor .* does not gather sharded ones"):
+        fusedamp.FusedMuon([param])
+    fusedamp.FusedMuon([{"params": [param], "use_muon": False}])  # AdamW groups take them
+
+
+def test_distributed_checkpoint_resume_is_bitwise(tmp_path: Path, one_rank_group: None) -> None:
     """DDP (one gloo rank) + torch.distributed.checkpoint: get_state_dict / dcp.save after 3 steps,
     a fresh model and optimizer dcp.load + set_state_dict it, and 3 more steps give the bits of the
     run that never stopped (int8 momentum and bf16 remainders included)."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.nn.parallel import DistributedDataParallel
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        def make() -> tuple[nn.Module, FusedMuon]:
-            torch.manual_seed(0)
-            model = DistributedDataParallel(TinyLM().to(torch.bfloat16))
-            groups = muon_param_groups(model.module, adamw={"lr": 3e-3})
-            return model, FusedMuon(groups, lr=0.02, moments="int8", master_weights="remainder")
+    def make() -> tuple[nn.Module, FusedMuon]:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(TinyLM().to(torch.bfloat16))
+        groups = muon_param_groups(model.module, adamw={"lr": 3e-3})
+        return model, FusedMuon(groups, lr=0.02, moments="int8", master_weights="remainder")
 
-        def train(model: nn.Module, opt: FusedMuon, steps: range) -> None:
-            for step in steps:
-                tokens = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))
-                nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()).backward()
-                opt.step()
-                opt.zero_grad()
+    def train(model: nn.Module, opt: FusedMuon, steps: range) -> None:
+        for step in steps:
+            tokens = torch.randint(0, 50, (4, 7), generator=torch.Generator().manual_seed(step))
+            nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), tokens.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
 
-        model, opt = make()
-        train(model, opt, range(3))
-        model_state, optim_state = get_state_dict(model, opt)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
-        train(model, opt, range(3, 6))
+    model, opt = make()
+    train(model, opt, range(3))
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+    train(model, opt, range(3, 6))
 
-        resumed, resumed_opt = make()
-        model_state, optim_state = get_state_dict(resumed, resumed_opt)
-        loaded = {"model": model_state, "optim": optim_state}
-        dcp.load(loaded, checkpoint_id=str(tmp_path))
-        set_state_dict(
-            resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
-        )
-        train(resumed, resumed_opt, range(3, 6))
-        for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
-            assert torch.equal(a, b)
-        for state, other in zip(opt.state.values(), resumed_opt.state.values(), strict=True):
-            assert state.keys() == other.keys()
-            for key in state:
-                assert torch.equal(state[key], other[key]), key
-    finally:
-        dist.destroy_process_group()
+    resumed, resumed_opt = make()
+    model_state, optim_state = get_state_dict(resumed, resumed_opt)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    train(resumed, resumed_opt, range(3, 6))
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for state, other in zip(opt.state.values(), resumed_opt.state.values(), strict=True):
+        assert state.keys() == other.keys()
+        for key in state:
+            assert torch.equal(state[key], other[key]), key
 
 
 # --- CUDA ------------------------------------------------------------------------------------
