@@ -143,17 +143,7 @@ class FusedMuon(FusedOptimizer):
         if not group["use_muon"]:
             return
         for position, param in enumerate(group["params"]):
-            where = f"param {position} of group {index}"
-            if param.ndim != 2:
-                raise ValueError(
-                    f"FusedMuon: {where} has shape {tuple(param.shape)}; a Muon group takes 2-D matrices "
-                    "only. Put the other params in a group with use_muon=False (stepped as AdamW), or "
-                    "build the groups with fusedamp.optim.muon_param_groups(model)"
-                )
-            if param.is_complex():
-                raise TypeError(f"FusedMuon: {where} is complex; Muon groups take real matrices")
-            if _dtensor.is_dtensor(param):
-                raise NotImplementedError(_SHARDED_MESSAGE.format(where=where))
+            _check_muon_param(param, f"param {position} of group {index}")
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         """The rules of torch.optim.Muon's constructor (and of fusedamp's ns_dtype) for a Muon
@@ -240,11 +230,23 @@ def _paired(param_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> bool:
     return param_dtype == grad_dtype or torch.float32 in (param_dtype, grad_dtype)
 
 
-_SHARDED_MESSAGE = (
-    "FusedMuon: {where} is a DTensor (an FSDP2 or tensor-parallel shard). Muon orthogonalizes whole "
-    "matrices and FusedMuon does not gather sharded ones: step such params in a group with "
-    "use_muon=False (AdamW), or shard the model with DDP"
-)
+def _check_muon_param(param: Tensor, where: str) -> None:
+    """torch.optim.Muon's rule for the params of a Muon group (real 2-D matrices), and fusedamp's
+    limit: no sharded (DTensor) matrices."""
+    if param.ndim != 2:
+        raise ValueError(
+            f"FusedMuon: {where} has shape {tuple(param.shape)}; a Muon group takes 2-D matrices "
+            "only. Put the other params in a group with use_muon=False (stepped as AdamW), or "
+            "build the groups with fusedamp.optim.muon_param_groups(model)"
+        )
+    if param.is_complex():
+        raise TypeError(f"FusedMuon: {where} is complex; Muon groups take real matrices")
+    if _dtensor.is_dtensor(param):
+        raise NotImplementedError(
+            f"FusedMuon: {where} is a DTensor (an FSDP2 or tensor-parallel shard). Muon orthogonalizes "
+            "whole matrices and FusedMuon does not gather sharded ones: step such params in a group "
+            "with use_muon=False (AdamW), or shard the model with DDP"
+        )
 
 
 class _MuonStep:
@@ -256,8 +258,7 @@ class _MuonStep:
 
     def __init__(self, bucket: Bucket, params: list[Tensor]) -> None:
         for index, param in zip(bucket.param_ids, params, strict=True):
-            if _dtensor.is_dtensor(param):
-                raise NotImplementedError(_SHARDED_MESSAGE.format(where=f"param {index}"))
+            _check_muon_param(param, f"param {index}")  # params put into a group by hand too
         self.bucket = bucket
         group = bucket.group
         # The orthogonalization's dtype, unless the kernels have no pair of it with the grads or
