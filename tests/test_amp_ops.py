@@ -29,14 +29,16 @@ def scalar(value: float, device: str) -> torch.Tensor:
 @pytest.mark.parametrize(("dtype", "index"), UNSCALE_SAMPLES)
 def test_unscale_matches_torch(device: str, dtype: torch.dtype, index: int) -> None:
     """On the op table's samples: the same grads as torch's op, bit for bit (any NaN matching
-    any NaN), and the same found_inf. Where torch has no such op for the dtype (bf16 on CUDA),
-    against what its kernels compute: the product in float32, rounded once to the grad's dtype."""
+    any NaN), and the same found_inf. Where torch has no such op for a grad's dtype (bf16 on CUDA,
+    also among mixed dtypes), against what its kernels compute: the product in float32, rounded
+    once to the grad's dtype, from fresh copies (torch may have unscaled other dtypes' grads)."""
     grads, found_inf, inv_scale = OP_TABLE["unscale_"].samples(device, dtype)[index].args
     theirs = clone_args((grads, found_inf, inv_scale))
     try:
         torch._amp_foreach_non_finite_check_and_unscale_(*theirs)
     except NotImplementedError:
-        assert device == "cuda" and dtype == torch.bfloat16
+        assert device == "cuda" and any(grad.dtype == torch.bfloat16 for grad in grads)
+        theirs = clone_args((grads, found_inf, inv_scale))
         for grad in theirs[0]:
             if not grad.isfinite().all():
                 theirs[1].fill_(1.0)

@@ -157,7 +157,7 @@ if [[ -d "$CARRIED/site" ]]; then
 fi
 
 status=0
-stage cuda_tests 150 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
+stage cuda_tests 240 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
   --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py tests || status=1
 stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
   tests/test_gemm_cuda.py || status=1

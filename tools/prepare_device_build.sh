@@ -21,7 +21,7 @@
 # 2-core machine, a warm one short (ninja recompiles only changed sources: build/device-src is
 # kept). The stripped _C (every CPU ISA, two CUDA archs) is ~70 MiB, ~8 MiB compressed. Stage
 # caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried build installed
-# in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 150 s, GEMM tests 60 s,
+# in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 240 s, GEMM tests 60 s,
 # memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run after a machine start
 # of ~2 min leaves time for a rerun of some stages (GPU_CHECK_STAGES) in a 15-minute budget.
 # Environment: DEVICE_VENV (default /work/venvs/device-py312), DEVICE_PYTHON (an interpreter of

@@ -1,5 +1,6 @@
 """A small run of every CUDA kernel family for compute-sanitizer's memcheck and initcheck (run by
-gpu_check.sh): one AdamW and one SGD step per param dtype / master mode, unscale_,
+gpu_check.sh): one AdamW and one SGD step per param dtype / master mode, the coded-state steps
+(bf16 and int8 moments, stochastic bf16 params) through the optimizers, FusedMuon, unscale_,
 check_and_norm_ (also of only empty grads, where no block runs), grad_stats, and one gemm per
 kernel the GPU and this build can run. Sizes put tails at chunk and tile ends and views one
 element into their storage (scalar paths). Without a GPU it says so and exits 0 (skipped).
@@ -83,6 +84,29 @@ def optimizer_steps() -> None:
             print(f"adamw_ + sgd_: {dtype} params, master {kind}, offset {offset}")
 
 
+def coded_steps() -> None:
+    """FusedAdamW, FusedSGD and FusedMuon with coded states: their codec blocks end at tails."""
+    for moments in ("bf16", "int8"):
+        for dtype, master in (
+            (torch.float32, True),
+            (torch.bfloat16, "remainder"),
+            (torch.bfloat16, "stochastic"),
+        ):
+            params = [torch.nn.Parameter(t) for t in tensors(dtype, 1)]
+            for param in params:
+                param.grad = torch.randn_like(param)
+            fusedamp.FusedAdamW(params, moments=moments, master_weights=master, max_grad_norm=1.0).step()
+            fusedamp.FusedSGD(params, lr=1e-2, momentum=0.9, moments=moments, master_weights=master).step()
+            matrices = [
+                torch.nn.Parameter(torch.randn(shape, device=CUDA).to(dtype))
+                for shape in ((7, 5), (300, 257))
+            ]
+            for matrix in matrices:
+                matrix.grad = torch.randn_like(matrix)
+            fusedamp.FusedMuon(matrices, moments=moments, master_weights=master).step()
+            print(f"coded steps: {moments} moments, {dtype} params, master {master}")
+
+
 def grad_ops() -> None:
     grads = tensors(torch.float16) + tensors(torch.bfloat16, 1) + tensors(torch.float32)
     found_inf = torch.zeros((), device=CUDA)
@@ -122,6 +146,7 @@ def main() -> int:
         return 0
     torch.manual_seed(0)
     optimizer_steps()
+    coded_steps()
     grad_ops()
     gemms()
     torch.cuda.synchronize()
