@@ -77,14 +77,15 @@ def _spread(text: str) -> str:
     return f"{_number(low)}-{_number(high)}"
 
 
-def table(results: dict[str, Any], threads: int = 2, short: bool = False) -> list[str]:
-    """The Markdown table's lines (header and separator included) for ``threads``."""
+def table(results: dict[str, Any], threads: int = 2, short: bool = False, gpu: bool = False) -> list[str]:
+    """The Markdown table's lines (header and separator included) for ``threads``, or (``gpu``) of
+    the GPU's steps, whose cases name no thread count."""
     rows = results["rows"]
     lines = [HEADER, "| --- | --- | --- |"]
     for index, (label, bench, dtype, impl, peers) in enumerate(ROWS):
         if short and index not in SHORT:
             continue
-        row = _find(rows, bench, f"{dtype}, {threads} threads", impl)
+        row = _find(rows, bench, dtype if gpu else f"{dtype}, {threads} threads", impl)
         if row is None:
             continue
         spread = row.get("speedup per round", {})
@@ -93,7 +94,8 @@ def table(results: dict[str, Any], threads: int = 2, short: bool = False) -> lis
             for key, name in peers
             if key in row.get("speedup", {})
         ]
-        lines.append(f"| {label} | {row['time_ms']:.1f} ms | {', '.join(cells)} |")
+        time_ms = f"{row['time_ms']:.2f}" if gpu else f"{row['time_ms']:.1f}"
+        lines.append(f"| {label} | {time_ms} ms | {', '.join(cells)} |")
     if not short:
         for label, impl in UNSCALE:
             cases = [f"{dtype}, {threads} threads" for dtype in ("fp32", "fp16", "bf16")]
@@ -220,7 +222,7 @@ def gpu_bandwidth_table(results: dict[str, Any]) -> list[str]:
     ]
     for row in results["rows"]:
         fusedamp = row["impl"].startswith("fusedamp")
-        if row.get("device") != "cuda" or "fraction_of_ceiling_gbps" not in row or not fusedamp:
+        if row["bench"] != "unscale" or row.get("device") != "cuda" or not fusedamp:
             continue
         versus = next((v for k, v in row.items() if k.startswith("vs torch")), None)
         lines.append(
@@ -247,6 +249,30 @@ def gemm_table(results: dict[str, Any]) -> list[str]:
                 cells.append(f"{_find(rows, 'gemm', variant, impl)['tflops'] / torch_row['tflops']:.2f}x")
         shape, dtype = case.rsplit(" ", 1)
         lines.append(f"| {shape} | {dtype} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def muon_table(results: dict[str, Any]) -> list[str]:
+    """bench_muon's rows: FusedMuon's step, torch.optim.Muon's time over it, and the step with int8
+    momentum (fp32 params) at each thread count (CPU) or on the GPU."""
+    lines = [
+        "| params | CPU threads / GPU | FusedMuon | `torch.optim.Muon` | FusedMuon, int8 momentum |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    rows = [r for r in results["rows"] if r["bench"] == "muon"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ours, theirs = _find(rows, "muon", case, "fusedamp"), _find(rows, "muon", case, "torch")
+        if ours is None or theirs is None:
+            continue
+        coded = _find(rows, "muon", case, "fusedamp int8 momentum")
+        fp32 = case.startswith("fp32")
+        params = "fp32" if fp32 else "bf16 (FusedMuon: remainder master, int8 momentum)"
+        gpu = ours.get("device") == "cuda"
+        threads = "GPU" if gpu else str(ours["threads"])
+        versus = f"{theirs['time_ms'] / ours['time_ms']:.2f}x ({_spread(theirs['ratio spread (p10-p90)'])})"
+        digits = 2 if gpu else 1
+        int8 = f"{coded['time_ms']:.{digits}f} ms" if coded else "-"
+        lines.append(f"| {params} | {threads} | {ours['time_ms']:.{digits}f} ms | {versus} | {int8} |")
     return lines
 
 
@@ -285,16 +311,18 @@ def demo_table(results: dict[str, Any]) -> list[str]:
 def render(
     results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
 ) -> list[str]:
-    """The table ``kind`` (steps, host, bound, offload, offload-bound; on a GPU: gpu-bandwidth,
-    gemm, offload-loop, demo) of ``results``."""
-    gpu_tables = {"gpu-bandwidth": gpu_bandwidth_table, "gemm": gemm_table,
-                  "offload-loop": offload_loop_table, "demo": demo_table}
+    """The table ``kind`` (steps, host, bound, offload, offload-bound, muon; on a GPU: gpu-steps,
+    gpu-bandwidth, gemm, offload-loop, demo) of ``results``."""
+    gpu_tables = {"gpu-steps": lambda results: table(results, gpu=True), "gpu-bandwidth": gpu_bandwidth_table,
+                  "gemm": gemm_table, "offload-loop": offload_loop_table, "demo": demo_table}
     if kind in gpu_tables:
         return gpu_tables[kind](results)
     if kind == "host":
         return host_table(results, threads or 1)
     if kind == "bound":
         return bound_table(results)
+    if kind == "muon":
+        return muon_table(results)
     if kind == "offload":
         return offload_table(results, threads or 1)
     if kind == "offload-bound":
@@ -312,8 +340,8 @@ def marker(path: str, kind: str = "steps", threads: int | None = None, short: bo
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="a benchmarks/results/<platform>.json")
-    tables = ("steps", "host", "bound", "offload", "offload-bound",
-              "gpu-bandwidth", "gemm", "offload-loop", "demo")
+    tables = ("steps", "host", "bound", "offload", "offload-bound", "muon",
+              "gpu-steps", "gpu-bandwidth", "gemm", "offload-loop", "demo")
     parser.add_argument("--table", choices=tables, default="steps")
     parser.add_argument(
         "--threads", type=int, default=None, help="default: 2 for steps, 1 for host and offload"
