@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "fusedamp/dispatch.h"
+
 namespace fusedamp {
 
 std::ostream& operator<<(std::ostream& out, const ArgName& name) {
@@ -200,9 +202,7 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
   if (count == 0) return lists;
   lists.param_dtype = float_dtype_of(params[0], {op, "params", 0});
   lists.grad_dtype = float_dtype_of(grads[0], {op, "grads", 0});
-  const bool stepped = lists.grad_dtype == lists.param_dtype || lists.param_dtype == DType::kFloat32 ||
-                       lists.grad_dtype == DType::kFloat32;
-  TORCH_CHECK_TYPE(stepped, "fusedamp: ", op, ": grads are ", grads[0].scalar_type(), " but params ",
+  TORCH_CHECK_TYPE(steps_grad_type(lists.param_dtype, lists.grad_dtype), "fusedamp: ", op, ": grads are ", grads[0].scalar_type(), " but params ",
                    params[0].scalar_type(), "; pass grads of the params' dtype or float32 (float32 ",
                    "params take grads of any float dtype)");
   if (!masters.empty()) {

@@ -26,8 +26,11 @@ template <MasterKind M> using MasterTag = std::integral_constant<MasterKind, M>;
 // The (param, grad) element types an optimizer step has kernels for: grads of the params' type or
 // float32, and any grads for float32 params. The others (fp16 params with bf16 grads, which torch
 // refuses by default) check_optimizer_lists refuses, and the optimizers step through an fp32 copy.
+constexpr bool steps_grad_type(DType param, DType grad) {
+  return param == grad || param == DType::kFloat32 || grad == DType::kFloat32;
+}
 template <DType P, DType G>
-constexpr bool kSteppedGradType = P == G || P == DType::kFloat32 || G == DType::kFloat32;
+constexpr bool kSteppedGradType = steps_grad_type(P, G);
 
 // Calls fn(DTypeTag<d>{}) for the float element types. csrc/common/inputs.cpp rejects every
 // other type first, so reaching the error is a bug in fusedamp; it must never mean a silently
