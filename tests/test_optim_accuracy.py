@@ -62,11 +62,14 @@ def test_bitsandbytes_protocol_int8_moments(dtype: torch.dtype, shape: tuple[int
 # met: a stored moment may be off by up to a whole code step (12.5% with 3 mantissa bits; round to
 # nearest: half that, but it lets long runs drift, tests/test_long_run_accuracy.py), a step whose
 # grad is small carries a quarter of exp_avg_sq's error (beta2 = 0.25) into an update of ~1, so
-# the masters stray up to 2.9x TE's tolerance (steps 2-6, then under 2x). The 8-bit optimizers
-# users have stray further on the same protocol: bitsandbytes' AdamW8bit 25x, torchao's 3.2x
-# (benchmarks/codec_accuracy.py). This guards what is reached: three times TE's tolerance, and
-# the bf16 params within bf16's default tolerance of the reference except for under 1% of the
-# elements (at most 25,841 of 4.2M, at step 2).
+# the masters stray about 3x TE's tolerance (steps 2-6, then under 2x): over 12 seeds of this
+# test's grads, 2.8x to 3.5x, in one or two of the 4.2M elements (a tail of the stochastic
+# rounding, which a 3x bound met on some seeds only). The 8-bit optimizers users have stray
+# further on the same protocol: bitsandbytes' AdamW8bit 25x, torchao's 3.2x
+# (benchmarks/codec_accuracy.py). This guards what is reached: four times TE's tolerance for
+# every element, three times for all but 10 of them, and the bf16 params within bf16's default
+# tolerance of the reference except for under 1% of the elements (at most 25,841 of 4.2M, at
+# step 2).
 TE_SHAPES = [(3072, 1024), (3072,), (1024, 1024), (1024,)]
 TE_OPTIONS = {"lr": 1.0, "betas": (0.1, 0.25), "eps": 1e-8, "weight_decay": 0.0}
 
@@ -94,12 +97,15 @@ def test_transformer_engine_aggressive_settings_int8_moments(master_weights: boo
             reference.grad = param.grad.float()
         opt.step()
         torch_opt.step()
-        outside = 0
+        outside = beyond_three_times = 0
         for param, reference in zip(params, references, strict=True):
             expected = reference.detach()
-            torch.testing.assert_close(opt.master_of(param), expected, rtol=3e-2, atol=3e-2)
+            master = opt.master_of(param)
+            torch.testing.assert_close(master, expected, rtol=4e-2, atol=4e-2)
+            beyond_three_times += int(((master - expected).abs() > 3e-2 + 3e-2 * expected.abs()).sum())
             rounded = expected.to(torch.bfloat16).float()
             outside += int(((param.detach().float() - rounded).abs() > 1e-5 + 1.6e-2 * rounded.abs()).sum())
+        assert beyond_three_times <= 10, (step, beyond_three_times)
         assert outside < 1e-2 * numel, (step, outside)
 
 
@@ -139,6 +145,36 @@ def test_stochastic_rounding_is_unbiased(dtype: torch.dtype) -> None:
     values = param.detach().double()
     assert set(values.unique().tolist()) == {0.25, 0.25 + ulp}
     assert abs(values.mean().item() - (0.25 + 0.3 * ulp)) < 3e-5
+
+
+@pytest.mark.parametrize("moments", ["int8", "bf16"])
+def test_adamw_moments_round_without_bias_and_independently(moments: str) -> None:
+    # One step from zero state with the same grad everywhere: every element's fp32 moments are the
+    # same values, between two stored neighbours each. The two moments share one draw per element
+    # (the low bits for exp_avg, the high ones for exp_avg_sq): over 65,536 elements each rounds up
+    # as often as its value asks, and the two choices are uncorrelated.
+    numel = 1 << 16
+    grad = torch.full((numel,), 0.45)
+    runs = {}
+    for kind in ("fp32", moments):
+        param = torch.zeros(numel, requires_grad=True)
+        param.grad = grad.clone()
+        opt = fusedamp.FusedAdamW([param], lr=1e-3, moments=kind, seed=5)
+        opt.step()
+        runs[kind] = opt.torch_state_dict()["state"][0]
+    ups = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = runs["fp32"][key][0].double().item()
+        assert bool((runs["fp32"][key] == runs["fp32"][key][0]).all())
+        stored = runs[moments][key].double()
+        low, high = stored.unique().tolist()
+        fraction = (value - low) / (high - low)
+        assert 0.05 < fraction < 0.95, (key, fraction)  # a rounding with something to decide
+        up = (stored == high).double()
+        assert abs(up.mean().item() - fraction) < 4 * (fraction * (1 - fraction) / numel) ** 0.5, key
+        ups.append(up)
+    correlation = torch.corrcoef(torch.stack(ups))[0, 1].item()
+    assert abs(correlation) < 0.03, correlation
 
 
 @pytest.mark.parametrize(

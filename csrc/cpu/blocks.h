@@ -50,7 +50,7 @@ constexpr int64_t kBlockGroup = 32;
 // constructor so that `StateBlock{}` sets each member by its initializer: as an aggregate it was
 // zeroed whole first, which g++ did with `rep stosq` on the AVX2 build, three a block in the
 // half-param steps (bf16 params + remainder + int8 moments).
-template <StateCodec C, bool kSigned>
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
 struct StateBlock {
   void* state = nullptr;                  // the state at the block's first element
   float* values = nullptr;                // the block's fp32 values: the state itself, or a tile
@@ -76,37 +76,73 @@ struct StateBlock {
     return values + offset;
   }
 
-  // Takes back the group that stage() gave, after the math updated it.
+  // Takes back the group that stage() gave, after the math updated it: a bf16 state rounded with
+  // its draws (KeyedDraws, or the TiledDraws of a shared draw), an int8 one folded into the
+  // block's maximum.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
+    unstage(offset, n, KeyedDraws{key, first + offset});
+  }
+
+  template <typename Draws>
+  [[gnu::always_inline]] void unstage(int64_t offset, int64_t n, Draws draws) {
     if constexpr (C == StateCodec::kBFloat16) {
-      float_tile_to_bf16_state(values + offset, static_cast<uint16_t*>(state) + offset, n, key, first + offset);
+      float_tile_to_bf16_state<S>(values + offset, static_cast<uint16_t*>(state) + offset, n, draws);
     } else if constexpr (C == StateCodec::kInt8) {
       largest.fold(values + offset, n);
     }
   }
 
-  // Writes the codes of values [offset, offset + n) of the block before this one, if any.
+  // Writes the codes of values [offset, offset + n) of the block before this one, if any, rounded
+  // with its draws (as unstage).
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n) {
+    encode_pending(offset, n, KeyedDraws{key, pending_first + offset});
+  }
+
+  template <typename Draws>
+  [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n, Draws draws) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_values != nullptr) {
-        encode_codes<kSigned, true>(pending_values + offset, n, pending_top, pending_codes + offset, key,
-                                    pending_first + offset);
+        encode_codes<kSigned>(pending_values + offset, n, pending_top, pending_codes + offset,
+                              stochastic_code_rounding_of<S>(draws));
       }
     }
   }
 };
 
+// [note: shared state draws] Takes back a group of the two states that share one draw per element
+// (same key, the low and the high share): the group's draws are made once, for the state that
+// rounds now: a bf16 one as the group comes back, an int8 one as the block before is encoded.
+template <StateCodec C, bool kLowSigned, bool kHighSigned>
+[[gnu::always_inline]] inline void unstage_state_pair(StateBlock<C, kLowSigned, DrawShare::kLow>& low,
+                                                      StateBlock<C, kHighSigned, DrawShare::kHigh>& high,
+                                                      int64_t offset, int64_t n, uint32_t* draw_tile) {
+  if constexpr (C == StateCodec::kBFloat16) {
+    fill_draws(low.key, low.first + offset, n, draw_tile);
+    low.unstage(offset, n, TiledDraws{draw_tile});
+    high.unstage(offset, n, TiledDraws{draw_tile});
+  } else if constexpr (C == StateCodec::kInt8) {
+    low.unstage(offset, n);
+    high.unstage(offset, n);
+    if (low.pending_values != nullptr) {
+      fill_draws(low.key, low.pending_first + offset, n, draw_tile);
+      low.encode_pending(offset, n, TiledDraws{draw_tile});
+      high.encode_pending(offset, n, TiledDraws{draw_tile});
+    }
+  }
+}
+
 // The chunk-long part of a staged state: the tiles of the current and the pending block, and
 // where the pending block's codes go. `key`: the chunk's rounding key for this state
-// (chunk_rounding_key with its RoundingStream, [note: unbiased state rounding]).
-template <StateCodec C, bool kSigned>
+// (chunk_rounding_key with its RoundingStream, [note: unbiased state rounding]); S: its share of
+// each draw ([note: shared state draws]).
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
 class StagedState {
  public:
   StagedState(void* state, float* scales, uint32_t key) : state_(state), scales_(scales), key_(key) {}
 
   // The block of n elements from block_first.
-  [[gnu::always_inline]] StateBlock<C, kSigned> begin_block(int64_t block_first, int64_t n) {
-    StateBlock<C, kSigned> block{};
+  [[gnu::always_inline]] StateBlock<C, kSigned, S> begin_block(int64_t block_first, int64_t n) {
+    StateBlock<C, kSigned, S> block{};
     block.first = block_first;
     block.key = key_;
     if constexpr (C == StateCodec::kFloat32) {
@@ -133,11 +169,11 @@ class StagedState {
   // Ends `block`, of n values from block_first: the pending block's codes past n are written
   // (this block is a chunk's short last one), and this block, its scale stored, becomes the
   // pending one.
-  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned>& block, int64_t block_first, int64_t n) {
+  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S>& block, int64_t block_first, int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ > n) {
-        encode_codes<kSigned, true>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n,
-                                    key_, pending_first_ + n);
+        encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n,
+                              stochastic_code_rounding_of<S>(KeyedDraws{key_, pending_first_ + n}));
       }
       pending_top_ = block_top_of(block.values, n, block.largest.bits(), kMaxStochasticCodeRounding);
       scales_[block_first / kCodecBlock] = block_scale(pending_top_.exponent);
@@ -151,8 +187,9 @@ class StagedState {
   [[gnu::always_inline]] void finish() {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ != 0) {
-        encode_codes<kSigned, true>(tiles_[current_ ^ 1], pending_n_, pending_top_,
-                                    static_cast<uint8_t*>(state_) + pending_first_, key_, pending_first_);
+        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_top_,
+                              static_cast<uint8_t*>(state_) + pending_first_,
+                              stochastic_code_rounding_of<S>(KeyedDraws{key_, pending_first_}));
       }
       pending_n_ = 0;
     }

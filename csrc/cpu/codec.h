@@ -33,18 +33,6 @@ inline namespace FUSEDAMP_ISA {
 }
 
 
-// What encode_code's rounding adds to the next kCodeLanes values of elements from first_element:
-// half a step, or (kStochastic) stochastic_code_rounding of each element's bits under `key`.
-template <bool kStochastic>
-[[gnu::always_inline]] inline CodeLanes code_rounding_lanes(uint32_t key, int64_t first_element) {
-  if constexpr (kStochastic) {
-    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element)), lane_indices());
-    return shift_right(rounding_bit_lanes(key, elements), 12);
-  } else {
-    return lanes_of(kNearestCodeRounding);
-  }
-}
-
 // float_to_bf16_state a vector at a time: the bf16 bits in the low half of each lane.
 [[gnu::always_inline]] inline CodeLanes bf16_state_lanes(CodeLanes bits, CodeLanes random) {
   CodeLanes result = shift_right(add_lanes(bits, and_lanes(random, lanes_of(0xffffu))), 16);
@@ -54,19 +42,85 @@ template <bool kStochastic>
 }
 #endif
 
-// fp32 values to a bf16 state, rounded stochastically with the bits of elements
-// [first_element, first_element + n) under `key` ([note: unbiased state rounding]).
-[[gnu::always_inline]] inline void float_tile_to_bf16_state(const float* src, uint16_t* dst, int64_t n, uint32_t key,
-                                                            int64_t first_element) {
-  int64_t i = 0;
+// Where the stochastic roundings of a run of values take their draws (value i's, element or a
+// vector from it): the keyed hash of each element (rounding_bits), or a tile of draws made once
+// by fill_draws for the states that share them ([note: shared state draws]).
+struct KeyedDraws {
+  uint32_t key;
+  int64_t first_element;  // value 0's
+
+  [[gnu::always_inline]] uint32_t element(int64_t i) const { return rounding_bits(key, first_element + i); }
 #if FUSEDAMP_F16C_LANES
-  const CodeLanes lane_index = lane_indices();
-  for (; i + kCodeLanes <= n; i += kCodeLanes) {
-    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element + i)), lane_index);
-    store_half_lanes(dst + i, bf16_state_lanes(load_bit_lanes(src + i), rounding_bit_lanes(key, elements)));
+  [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
+    return rounding_bit_lanes(key, add_lanes(lanes_of(uint32_t(first_element + i)), lane_indices()));
   }
 #endif
-  for (; i < n; ++i) dst[i] = float_to_bf16_state(src[i], rounding_bits(key, first_element + i));
+};
+
+struct TiledDraws {
+  const uint32_t* draws;  // value 0's
+
+  [[gnu::always_inline]] uint32_t element(int64_t i) const { return draws[i]; }
+#if FUSEDAMP_F16C_LANES
+  [[gnu::always_inline]] CodeLanes lanes(int64_t i) const { return load_word_lanes(draws + i); }
+#endif
+};
+
+// The draws of elements [first_element, first_element + n) under `key`.
+[[gnu::always_inline]] inline void fill_draws(uint32_t key, int64_t first_element, int64_t n, uint32_t* draws) {
+  const KeyedDraws keyed{key, first_element};
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  for (; i + kCodeLanes <= n; i += kCodeLanes) store_word_lanes(draws + i, keyed.lanes(i));
+#endif
+  for (; i < n; ++i) draws[i] = keyed.element(i);
+}
+
+// What encode_code's rounding adds to each value: half a step, or share S of its draw
+// (stochastic_code_rounding).
+struct NearestCodeRounding {
+  [[gnu::always_inline]] uint32_t element(int64_t) const { return kNearestCodeRounding; }
+#if FUSEDAMP_F16C_LANES
+  [[gnu::always_inline]] CodeLanes lanes(int64_t) const { return lanes_of(kNearestCodeRounding); }
+#endif
+};
+
+template <DrawShare S, typename Draws>
+struct StochasticCodeRounding {
+  Draws draws;
+
+  [[gnu::always_inline]] uint32_t element(int64_t i) const { return stochastic_code_rounding<S>(draws.element(i)); }
+#if FUSEDAMP_F16C_LANES
+  [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
+    const CodeLanes random = draws.lanes(i);
+    if constexpr (S == DrawShare::kLow) {
+      return or_masked(lanes_of(0x80u), shift_left(random, 8), 0xfff00u);
+    } else {
+      return shift_right(random, 12);
+    }
+  }
+#endif
+};
+
+template <DrawShare S, typename Draws>
+[[gnu::always_inline]] inline StochasticCodeRounding<S, Draws> stochastic_code_rounding_of(Draws draws) {
+  return {draws};
+}
+
+// fp32 values to a bf16 state, rounded stochastically with share S of their draws
+// ([note: unbiased state rounding]).
+template <DrawShare S, typename Draws>
+[[gnu::always_inline]] inline void float_tile_to_bf16_state(const float* src, uint16_t* dst, int64_t n,
+                                                            Draws draws) {
+  int64_t i = 0;
+#if FUSEDAMP_F16C_LANES
+  for (; i + kCodeLanes <= n; i += kCodeLanes) {
+    const CodeLanes random = draws.lanes(i);
+    store_half_lanes(dst + i, bf16_state_lanes(load_bit_lanes(src + i),
+                                               S == DrawShare::kHigh ? shift_right(random, 16) : random));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = float_to_bf16_state(src[i], bf16_state_random<S>(draws.element(i)));
 }
 
 // What encoding a block of codes needs to know of its values: the top exponent (codec.h's
@@ -104,7 +158,7 @@ struct CodeVector {
 }
 
 // encode_code on the next kCodeLanes values of a block of top exponent `top`, each magnitude
-// rounded by its lane of `rounding` (code_rounding_lanes).
+// rounded by its lane of `rounding` (the lanes of NearestCodeRounding or StochasticCodeRounding).
 template <bool kSigned, EncodeForm kForm>
 [[gnu::always_inline]] inline CodeVector encode_code_lanes(const float* values, uint32_t top, CodeLanes rounding) {
   using Code = BlockCode<kSigned>;
@@ -298,54 +352,45 @@ struct MagnitudeMax {
 }
 
 #if FUSEDAMP_F16C_LANES
-// encode_code_lanes over the whole vectors of n values of elements from first_element; returns
-// how many values they took.
-template <bool kSigned, bool kStochastic, EncodeForm kForm>
+// encode_code_lanes over the whole vectors of n values, rounded by `rounding`
+// (NearestCodeRounding, StochasticCodeRounding); returns how many values they took.
+template <bool kSigned, EncodeForm kForm, typename Rounding>
 [[gnu::always_inline]] inline int64_t encode_code_vectors(const float* values, int64_t n, uint32_t top,
-                                                          uint8_t* codes, uint32_t key, int64_t first_element) {
+                                                          uint8_t* codes, const Rounding& rounding) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 8
   for (; i + 2 * kCodeLanes <= n; i += 2 * kCodeLanes) {
-    const CodeVector a = encode_code_lanes<kSigned, kForm>(
-        values + i, top, code_rounding_lanes<kStochastic>(key, first_element + i));
-    const CodeVector b = encode_code_lanes<kSigned, kForm>(
-        values + i + kCodeLanes, top, code_rounding_lanes<kStochastic>(key, first_element + i + kCodeLanes));
+    const CodeVector a = encode_code_lanes<kSigned, kForm>(values + i, top, rounding.lanes(i));
+    const CodeVector b =
+        encode_code_lanes<kSigned, kForm>(values + i + kCodeLanes, top, rounding.lanes(i + kCodeLanes));
     store_code_lane_pair(codes + i, keep_lanes(a.kept, a.codes), keep_lanes(b.kept, b.codes));
   }
 #endif
   for (; i + kCodeLanes <= n; i += kCodeLanes) {
-    store_code_vector(codes + i, encode_code_lanes<kSigned, kForm>(
-                                     values + i, top, code_rounding_lanes<kStochastic>(key, first_element + i)));
+    store_code_vector(codes + i, encode_code_lanes<kSigned, kForm>(values + i, top, rounding.lanes(i)));
   }
   return i;
 }
 #endif
 
-// The codes of n values of a block, elements from first_element: rounded to nearest, or
-// (kStochastic) with the random bits of each element under `key`.
-template <bool kSigned, bool kStochastic>
+// The codes of n values of a block, rounded by `rounding` (NearestCodeRounding,
+// StochasticCodeRounding).
+template <bool kSigned, typename Rounding>
 [[gnu::always_inline]] inline void encode_codes(const float* values, int64_t n, BlockTop top, uint8_t* codes,
-                                                uint32_t key = 0, int64_t first_element = 0) {
+                                                const Rounding& rounding) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   if (top.exponent > uint32_t(BlockCode<kSigned>::kTopExponent)) {
     if (top.plain && top.exponent < 254u) {
-      i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes, key,
-                                                                               first_element);
+      i = encode_code_vectors<kSigned, EncodeForm::kFiniteNormal>(values, n, top.exponent, codes, rounding);
     } else {
-      i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kNormal>(values, n, top.exponent, codes, key,
-                                                                         first_element);
+      i = encode_code_vectors<kSigned, EncodeForm::kNormal>(values, n, top.exponent, codes, rounding);
     }
   } else {
-    i = encode_code_vectors<kSigned, kStochastic, EncodeForm::kGeneral>(values, n, top.exponent, codes, key,
-                                                                        first_element);
+    i = encode_code_vectors<kSigned, EncodeForm::kGeneral>(values, n, top.exponent, codes, rounding);
   }
 #endif
-  for (; i < n; ++i) {
-    const uint32_t rounding = kStochastic ? stochastic_code_rounding(rounding_bits(key, first_element + i))
-                                          : kNearestCodeRounding;
-    codes[i] = encode_code<kSigned>(values[i], top.exponent, rounding);
-  }
+  for (; i < n; ++i) codes[i] = encode_code<kSigned>(values[i], top.exponent, rounding.element(i));
 }
 
 // A whole block (n <= kCodecBlock values) to codes and its scale.
@@ -354,7 +399,7 @@ template <bool kSigned>
   MagnitudeMax<kSigned> largest;
   largest.fold(values, n);
   const BlockTop top = block_top_of(values, n, largest.bits(), kNearestCodeRounding);
-  encode_codes<kSigned, false>(values, n, top, codes);
+  encode_codes<kSigned>(values, n, top, codes, NearestCodeRounding{});
   *scale = block_scale(top.exponent);
 }
 

@@ -120,6 +120,10 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm512_storeu_ps(values, _mm512_castsi512_ps(a));
 }
+[[gnu::always_inline]] inline CodeLanes load_word_lanes(const uint32_t* words) {
+  return _mm512_loadu_si512(words);
+}
+[[gnu::always_inline]] inline void store_word_lanes(uint32_t* words, CodeLanes a) { _mm512_storeu_si512(words, a); }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm512_xor_si512(a, b); }
 [[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
   return _mm512_maskz_mullo_epi32(__mmask16(0xffff), a, lanes_of(b));
@@ -215,6 +219,12 @@ using LaneMask = __m256i;
 }
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm256_storeu_ps(values, _mm256_castsi256_ps(a));
+}
+[[gnu::always_inline]] inline CodeLanes load_word_lanes(const uint32_t* words) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+}
+[[gnu::always_inline]] inline void store_word_lanes(uint32_t* words, CodeLanes a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), a);
 }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm256_xor_si256(a, b); }
 [[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {

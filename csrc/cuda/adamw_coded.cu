@@ -21,9 +21,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const bool amsgrad = args.hyper.amsgrad;
   const ChunkKeys keys = s.keys(args.rounding.seed);
   const uint32_t key = kStochastic ? keys.key(RoundingStream::kParam) : 0u;
-  const uint32_t exp_avg_key = keys.key(RoundingStream::kState0);
-  const uint32_t exp_avg_sq_key = keys.key(RoundingStream::kState1);
-  const uint32_t max_exp_avg_sq_key = keys.key(RoundingStream::kState2);
+  // Both moments round with the bits of one draw ([note: shared state draws]).
+  const uint32_t moments_key = keys.key(RoundingStream::kState0);
+  const uint32_t max_exp_avg_sq_key = keys.key(RoundingStream::kState1);
 
   const auto param_side = param_chunk<AdamWCall, P, G, M>(meta, s.chunk);
   auto* exp_avg = chunk_pointer<State>(meta, kAdamWExpAvg, s.chunk);
@@ -37,8 +37,9 @@ __global__ void __launch_bounds__(kBlockThreads)
       all_aligned<E>(param_side.param, param_side.grad, param_side.master, exp_avg, exp_avg_sq, max_exp_avg_sq);
   for_each_coded_group<E>(count, aligned, [&](int first, bool vector) {
     ParamGroups<P, G, M, E> x;
-    StateGroup<C, true, E> m;
-    StateGroup<C, false, E> v, v_max;
+    StateGroup<C, true, E, DrawShare::kLow> m;
+    StateGroup<C, false, E, DrawShare::kHigh> v;
+    StateGroup<C, false, E> v_max;
     x.load(param_side, first, count, vector);
     m.load(exp_avg, exp_avg_scales, first, count, vector);
     v.load(exp_avg_sq, exp_avg_sq_scales, first, count, vector);
@@ -53,8 +54,8 @@ __global__ void __launch_bounds__(kBlockThreads)
         },
         key, element);
 
-    m.store(exp_avg, exp_avg_scales, first, count, vector, exp_avg_key, element);
-    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, exp_avg_sq_key, element);
+    m.store(exp_avg, exp_avg_scales, first, count, vector, moments_key, element);
+    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, moments_key, element);
     if (amsgrad) v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector, max_exp_avg_sq_key, element);
     x.store(param_side, first, count, vector, args.inputs.write_grad);
   });

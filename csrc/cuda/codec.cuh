@@ -70,8 +70,9 @@ __device__ __forceinline__ uint32_t codec_block_max(uint32_t bits) {
   return bits;
 }
 
-// E elements of one state in registers as fp32 (`values`), loaded from and stored to codec C.
-template <StateCodec C, bool kSigned, int E>
+// E elements of one state in registers as fp32 (`values`), loaded from and stored to codec C, its
+// stochastic roundings taking share S of each element's draw ([note: shared state draws]).
+template <StateCodec C, bool kSigned, int E, DrawShare S = DrawShare::kWhole>
 struct StateGroup {
   float values[E];
   ElementGroup<codec_storage_t<C>, E> stored;
@@ -109,7 +110,7 @@ struct StateGroup {
       const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits), kMaxStochasticCodeRounding);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const uint32_t rounding = stochastic_code_rounding(rounding_bits(key, element + j));
+        const uint32_t rounding = stochastic_code_rounding<S>(rounding_bits(key, element + j));
         stored.values[j] = encode_code<kSigned>(values[j], top, rounding);
       }
       if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = block_scale(top);
@@ -119,7 +120,7 @@ struct StateGroup {
         if constexpr (C == StateCodec::kFloat32) {
           stored.values[j] = values[j];
         } else {
-          stored.values[j] = float_to_bf16_state(values[j], rounding_bits(key, element + j));
+          stored.values[j] = float_to_bf16_state(values[j], bf16_state_random<S>(rounding_bits(key, element + j)));
         }
       }
     }

@@ -54,13 +54,16 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   void* const m_state = lists[kAdamWExpAvg][tensor];
   void* const v_state = lists[kAdamWExpAvgSq][tensor];
   void* const v_max_state = lists[kAdamWMaxExpAvgSq][tensor];
-  StagedState<C, true> exp_avg(m_state, static_cast<float*>(lists[kAdamWExpAvgScale][tensor]),
-                               keys.key(RoundingStream::kState0));
-  StagedState<C, false> exp_avg_sq(v_state, static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]),
-                                   keys.key(RoundingStream::kState1));
+  // The moments round with one draw per element ([note: shared state draws]).
+  const uint32_t moments_key = keys.key(RoundingStream::kState0);
+  StagedState<C, true, DrawShare::kLow> exp_avg(m_state, static_cast<float*>(lists[kAdamWExpAvgScale][tensor]),
+                                                moments_key);
+  StagedState<C, false, DrawShare::kHigh> exp_avg_sq(
+      v_state, static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]), moments_key);
   StagedState<C, false> max_exp_avg_sq(v_max_state, static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]),
-                                       keys.key(RoundingStream::kState2));
+                                       keys.key(RoundingStream::kState1));
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
+  alignas(64) uint32_t draw_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     if (kAmsgrad) {
       param.template prefetch<C>(block, end, m_state, v_state, v_max_state);
@@ -82,12 +85,11 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
                                      kAmsgrad ? v_max.stage(offset, group) : nullptr};
       adamw_elements<DType::kFloat32, DType::kFloat32, MasterKind::kNone, kAmsgrad, kWriteGrad>(
           tile, c, multiplier, 0, group);
-      m.unstage(offset, group);
-      v.unstage(offset, group);
-      if (kAmsgrad) v_max.unstage(offset, group);
-      m.encode_pending(offset, group);
-      v.encode_pending(offset, group);
-      if (kAmsgrad) v_max.encode_pending(offset, group);
+      unstage_state_pair(m, v, offset, group, draw_tile);
+      if (kAmsgrad) {
+        v_max.unstage(offset, group);
+        v_max.encode_pending(offset, group);
+      }
       param.template unstage<kWriteGrad>(first, group, x, call.rounding.enabled);
     });
     exp_avg.end_block(m, block, n);

@@ -61,7 +61,39 @@ constexpr uint32_t kNearestCodeRounding = 0x80000u;
 // value of the block rounds past the top binade.
 constexpr uint32_t kMaxStochasticCodeRounding = 0xfffffu;
 
-FUSEDAMP_HOST_DEVICE uint32_t stochastic_code_rounding(uint32_t random) { return random >> 12; }
+// [note: shared state draws] The keyed hash is the costliest part of a coded state's store, so
+// two states of one step (AdamW's moments) share one 32-bit draw per element: the second moment
+// takes its high bits, the first moment its low ones. Each state still rounds without bias to
+// within a fraction of a step that its changes per step exceed: a second moment's change is
+// (1 - beta2) of its distance to g^2, down to 1e-4 (beta2 = 0.9999) of a value with 3 mantissa
+// bits, so a code keeps the 20 high bits (bias below 2^-20 of a step); a first moment's change is
+// (1 - beta1) of its distance, and its code takes 12 bits and half of the next one (bias within
+// 2^-13 of a step either way). A bf16 state takes 16 bits of either half. A state with a stream
+// to itself (SGD's and Muon's momentum, AMSGrad's maximum) takes its draws whole.
+enum class DrawShare : int32_t {
+  kWhole,  // the draw is the state's own
+  kLow,    // the low bits of a draw shared with a kHigh state
+  kHigh,   // the high bits of a draw shared with a kLow state
+};
+
+template <DrawShare S = DrawShare::kWhole>
+FUSEDAMP_HOST_DEVICE uint32_t stochastic_code_rounding(uint32_t random) {
+  if constexpr (S == DrawShare::kLow) {
+    return ((random & 0xfffu) << 8) | 0x80u;
+  } else {
+    return random >> 12;
+  }
+}
+
+// The draw bits whose low 16 float_to_bf16_state adds.
+template <DrawShare S = DrawShare::kWhole>
+FUSEDAMP_HOST_DEVICE uint32_t bf16_state_random(uint32_t random) {
+  if constexpr (S == DrawShare::kHigh) {
+    return random >> 16;
+  } else {
+    return random;
+  }
+}
 
 // What a block keeps of its largest finite magnitude (max over the block of finite_magnitude_bits),
 // rounded up by the largest amount its codes' rounding may add: the biased fp32 exponent, in

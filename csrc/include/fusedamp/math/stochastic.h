@@ -43,9 +43,10 @@ FUSEDAMP_HOST_DEVICE uint32_t rounding_key(uint64_t seed, uint64_t param_id, uin
   return uint32_t(mix64(x ^ element_high));
 }
 
-// The random streams of one step: the param's rounding and one per coded state of the call
-// ([note: unbiased state rounding] in math/codec.h), so that no two roundings share bits.
-enum class RoundingStream : uint64_t { kParam = 0, kState0 = 1, kState1 = 2, kState2 = 3 };
+// The random streams of one step: the param's rounding and one per draw of the call's coded
+// states ([note: unbiased state rounding], [note: shared state draws] in math/codec.h), so that no
+// two roundings share bits unless they split them.
+enum class RoundingStream : uint64_t { kParam = 0, kState0 = 1, kState1 = 2 };
 
 // The key of a chunk that starts at element `begin` of the param whose id travels in
 // `rounding_id` ([note: rounding ids]), for the step after `step` (the count before it) and
