@@ -97,6 +97,7 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         PYTHON=sys.executable,
         GPU_CHECK_DRY_RUN="1",
         GPU_CHECK_BENCHMARKS="gemm",
+        GPU_CHECK_BENCHMARK_S="120",
         CUDA_VISIBLE_DEVICES="",
     )
     result = subprocess.run(
@@ -131,6 +132,7 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
                for name in ("sanitizer_memcheck", "sanitizer_initcheck", "benchmarks", "demo"))
     assert logs["tests.log"].count("sanitizer_subset: skipped, needs a CUDA GPU") == 2
     assert "bench_gemm" in logs["benchmarks.log"]
+    assert "== benchmarks (at most 120 s)" in logs["benchmarks.log"]
     assert json.loads((out / "demo.json").read_text())
     # The benchmarks' results file, named for the platform, and no chart; at most 8 files, what
     # the device tool brings back.
