@@ -202,9 +202,9 @@ OptimizerLists check_optimizer_lists(const char* op, at::TensorList params, at::
   if (count == 0) return lists;
   lists.param_dtype = float_dtype_of(params[0], {op, "params", 0});
   lists.grad_dtype = float_dtype_of(grads[0], {op, "grads", 0});
-  TORCH_CHECK_TYPE(steps_grad_type(lists.param_dtype, lists.grad_dtype), "fusedamp: ", op, ": grads are ", grads[0].scalar_type(), " but params ",
-                   params[0].scalar_type(), "; pass grads of the params' dtype or float32 (float32 ",
-                   "params take grads of any float dtype)");
+  TORCH_CHECK_TYPE(steps_grad_type(lists.param_dtype, lists.grad_dtype), "fusedamp: ", op, ": grads are ",
+                   grads[0].scalar_type(), " but params ", params[0].scalar_type(),
+                   "; pass grads of the params' dtype or float32 (float32 params take grads of any float dtype)");
   if (!masters.empty()) {
     const bool remainder = masters[0].scalar_type() == at::kShort;
     TORCH_CHECK_TYPE(remainder || masters[0].scalar_type() == at::kFloat, "fusedamp: ", op,

@@ -156,8 +156,8 @@ class FusedMuon(FusedOptimizer):
             warnings.warn(
                 f"FusedMuon: int8 momentum buffers at momentum={group['momentum']} (param group {index}) "
                 "move 0.96-0.99x as far as fp32 ones with noisy grads: the rounding noise of each "
-                "store adds up in a buffer that keeps 99% of itself per step. moments='bf16' tracks "
-                "fp32 at any momentum.",
+                f"store adds up in a buffer that keeps {group['momentum']:.1%} of itself per step. "
+                "moments='bf16' tracks fp32 at any momentum.",
                 stacklevel=3,
             )
 
