@@ -450,13 +450,15 @@ def test_errors_name_the_problem() -> None:
 
 def test_int8_momentum_at_momentum_099_warns_and_names_the_fix() -> None:
     """int8 buffers fall short of fp32 ones at momentum 0.99 (the long-run figures of docs/muon.md):
-    the optimizer says so, with the mode that does not; at 0.95, or with bf16 buffers, it is silent."""
+    the optimizer says so, with the mode that does not; at 0.95 and 0.98 (within 0.03 of fp32), or with
+    bf16 buffers, it is silent."""
     matrix = torch.zeros(8, 4, requires_grad=True)
     with pytest.warns(UserWarning, match=r"momentum=0.99 \(param group 0\).*moments='bf16'"):
         fusedamp.FusedMuon([matrix], momentum=0.99, moments="int8")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fusedamp.FusedMuon([matrix], momentum=0.95, moments="int8")
+        fusedamp.FusedMuon([matrix], momentum=0.98, moments="int8")
         fusedamp.FusedMuon([matrix], momentum=0.99, moments="bf16")
         adamw_group = {"params": [torch.zeros(4, requires_grad=True)], "use_muon": False}
         fusedamp.FusedMuon([adamw_group], momentum=0.99, moments="int8")

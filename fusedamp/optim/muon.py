@@ -65,7 +65,7 @@ def adjusted_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 # From this momentum on, int8 buffers fall measurably short of fp32 ones over long runs (the Muon
-# section of docs/muon.md); at 0.95 they stay within 1-3%.
+# section of docs/muon.md); up to 0.98 they stay within 3%.
 INT8_MOMENTUM_LIMIT = 0.99
 
 
@@ -80,7 +80,7 @@ class FusedMuon(FusedOptimizer):
     the AdamW groups' moments in ``"fp32"``, ``"bf16"`` or ``"int8"``), ``max_grad_norm`` (one
     clip over every grad of the optimizer), ``write_unscaled_grads``, ``seed``, ``offload``, and
     both GradScalers (a step with inf/NaN grads changes nothing). int8 momentum buffers track fp32
-    ones within 1-3% at momentum 0.95; at 0.99 and above they fall short (a warning says so), and
+    ones within 3% up to momentum 0.98; at 0.99 and above they fall short (a warning says so), and
     ``moments="bf16"`` is the mode to pick there.
 
     A group with ``use_muon=False`` is stepped as ``torch.optim.AdamW`` would: its ``lr``,
