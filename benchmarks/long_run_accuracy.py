@@ -17,7 +17,7 @@ modes also at lr=1e-5 (a step far below a bf16 ulp), and bitsandbytes' and torch
 with too little resolution loses the changes of (1 - beta2) of its distance to g^2 each step, so
 the second moment lags and the step grows as the run gets longer.
 
-Muon: the same task on a 128 x 64 matrix, with momentum in place of beta2 (0.9, 0.95, 0.98, 0.99);
+Muon: the same task on a 128 x 64 matrix, with momentum in place of beta2 (0.9 to 0.999);
 FusedMuon's momentum in int8 or bf16, its params in fp32 or bf16 (remainder or stochastic), and
 torch's Muon on bf16 params (no master, a bf16 buffer) as the peer a user would otherwise pick.
 """
@@ -47,7 +47,7 @@ CONFIGS = list(itertools.product(BETA2S, LRS, NOISES))
 FP32_CONFIGS = [config for config in CONFIGS if config[1] == LRS[0]]
 PEER_CONFIGS = [config for config in FP32_CONFIGS if config[0] == 0.999]
 MUON_SHAPE = (128, 64)  # an orthogonalization per group and step: a smaller matrix than NUMEL
-MUON_MOMENTA = (0.9, 0.95, 0.98, 0.99)
+MUON_MOMENTA = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,9 @@ TORCH_LIBRARY(fusedamp, m) {
   // The elementwise first half of a Muon step (math/muon.h): each momentum buffer lerped toward
   // its grad (multiplied by inv_grad_scale * clip_coef), and the update to orthogonalize (the
   // Nesterov blend, or the buffer) written into `updates` (float32 or bfloat16, shaped like the
-  // grads). steps are read (rounding keys of bf16 / uint8 buffers), not incremented: the
-  // Muon step's sgd_ on the orthogonalized updates does that. found_inf set: nothing is written.
+  // grads). steps are read (the rotation of the dithered draws of bf16 / uint8 buffers, [note:
+  // dithered draws]), not incremented: the Muon step's sgd_ on the orthogonalized updates does
+  // that. found_inf set: nothing is written.
   m.def(
       "muon_momentum_(Tensor(a!)[] updates, Tensor(b!)[] grads, Tensor(c!)[] momentum_buffers, "
       "Tensor[] steps, float momentum, bool nesterov, Tensor? inv_grad_scale, Tensor? found_inf, "

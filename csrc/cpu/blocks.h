@@ -50,12 +50,13 @@ constexpr int64_t kBlockGroup = 32;
 // constructor so that `StateBlock{}` sets each member by its initializer: as an aggregate it was
 // zeroed whole first, which g++ did with `rep stosq` on the AVX2 build, three a block in the
 // half-param steps (bf16 params + remainder + int8 moments).
-template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole, bool kDithered = false>
 struct StateBlock {
   void* state = nullptr;                  // the state at the block's first element
   float* values = nullptr;                // the block's fp32 values: the state itself, or a tile
   int64_t first = 0;                      // the block's first element
   uint32_t key = 0;                       // bf16, int8: the key of the chunk's rounding bits
+  uint32_t rotation = 0;                  // kDithered: the step's rotation ([note: dithered draws])
   float scale = 0.0f;                     // int8: the block's scale
   BlockDecode decode{};                   // int8: how its codes decode
   const float* pending_values = nullptr;  // int8: the block before, to encode; null if none
@@ -80,7 +81,7 @@ struct StateBlock {
   // its draws (KeyedDraws, or the TiledDraws of a shared draw), an int8 one folded into the
   // block's maximum.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
-    unstage(offset, n, KeyedDraws{key, first + offset});
+    unstage(offset, n, KeyedDraws<kDithered>{key, first + offset, rotation});
   }
 
   template <typename Draws>
@@ -95,7 +96,7 @@ struct StateBlock {
   // Writes the codes of values [offset, offset + n) of the block before this one, if any, rounded
   // with its draws (as unstage).
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n) {
-    encode_pending(offset, n, KeyedDraws{key, pending_first + offset});
+    encode_pending(offset, n, KeyedDraws<kDithered>{key, pending_first + offset, rotation});
   }
 
   template <typename Draws>
@@ -117,14 +118,14 @@ template <StateCodec C, bool kLowSigned, bool kHighSigned>
                                                       StateBlock<C, kHighSigned, DrawShare::kHigh>& high,
                                                       int64_t offset, int64_t n, uint32_t* draw_tile) {
   if constexpr (C == StateCodec::kBFloat16) {
-    fill_draws(low.key, low.first + offset, n, draw_tile);
+    fill_draws(KeyedDraws<>{low.key, low.first + offset}, n, draw_tile);
     low.unstage(offset, n, TiledDraws{draw_tile});
     high.unstage(offset, n, TiledDraws{draw_tile});
   } else if constexpr (C == StateCodec::kInt8) {
     low.unstage(offset, n);
     high.unstage(offset, n);
     if (low.pending_values != nullptr) {
-      fill_draws(low.key, low.pending_first + offset, n, draw_tile);
+      fill_draws(KeyedDraws<>{low.key, low.pending_first + offset}, n, draw_tile);
       low.encode_pending(offset, n, TiledDraws{draw_tile});
       high.encode_pending(offset, n, TiledDraws{draw_tile});
     }
@@ -134,17 +135,20 @@ template <StateCodec C, bool kLowSigned, bool kHighSigned>
 // The chunk-long part of a staged state: the tiles of the current and the pending block, and
 // where the pending block's codes go. `key`: the chunk's rounding key for this state
 // (chunk_rounding_key with its RoundingStream, [note: unbiased state rounding]); S: its share of
-// each draw ([note: shared state draws]).
-template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
+// each draw ([note: shared state draws]); kDithered: its draws are dithered, `key` then
+// ChunkKeys::dither_key and `rotation` the step's ([note: dithered draws]).
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole, bool kDithered = false>
 class StagedState {
  public:
-  StagedState(void* state, float* scales, uint32_t key) : state_(state), scales_(scales), key_(key) {}
+  StagedState(void* state, float* scales, uint32_t key, uint32_t rotation = 0)
+      : state_(state), scales_(scales), key_(key), rotation_(rotation) {}
 
   // The block of n elements from block_first.
-  [[gnu::always_inline]] StateBlock<C, kSigned, S> begin_block(int64_t block_first, int64_t n) {
-    StateBlock<C, kSigned, S> block{};
+  [[gnu::always_inline]] StateBlock<C, kSigned, S, kDithered> begin_block(int64_t block_first, int64_t n) {
+    StateBlock<C, kSigned, S, kDithered> block{};
     block.first = block_first;
     block.key = key_;
+    block.rotation = rotation_;
     if constexpr (C == StateCodec::kFloat32) {
       block.state = static_cast<float*>(state_) + block_first;
       block.values = static_cast<float*>(block.state);
@@ -169,11 +173,13 @@ class StagedState {
   // Ends `block`, of n values from block_first: the pending block's codes past n are written
   // (this block is a chunk's short last one), and this block, its scale stored, becomes the
   // pending one.
-  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S>& block, int64_t block_first, int64_t n) {
+  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S, kDithered>& block, int64_t block_first,
+                                        int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ > n) {
+        const KeyedDraws<kDithered> draws{key_, pending_first_ + n, rotation_};
         encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n,
-                              stochastic_code_rounding_of<S>(KeyedDraws{key_, pending_first_ + n}));
+                              stochastic_code_rounding_of<S>(draws));
       }
       pending_top_ = block_top_of(block.values, n, block.largest.bits(), kMaxStochasticCodeRounding);
       scales_[block_first / kCodecBlock] = block_scale(pending_top_.exponent);
@@ -187,9 +193,10 @@ class StagedState {
   [[gnu::always_inline]] void finish() {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ != 0) {
-        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_top_,
-                              static_cast<uint8_t*>(state_) + pending_first_,
-                              stochastic_code_rounding_of<S>(KeyedDraws{key_, pending_first_}));
+        const KeyedDraws<kDithered> draws{key_, pending_first_, rotation_};
+        uint8_t* const codes = static_cast<uint8_t*>(state_) + pending_first_;
+        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_top_, codes,
+                              stochastic_code_rounding_of<S>(draws));
       }
       pending_n_ = 0;
     }
@@ -200,6 +207,7 @@ class StagedState {
   void* state_;
   float* scales_;
   uint32_t key_;
+  uint32_t rotation_;
   alignas(64) float tiles_[2][kTile];  // the current block's values and the pending block's
   int current_ = 0;
   int64_t pending_first_ = 0;

@@ -43,16 +43,24 @@ inline namespace FUSEDAMP_ISA {
 #endif
 
 // Where the stochastic roundings of a run of values take their draws (value i's, element or a
-// vector from it): the keyed hash of each element (rounding_bits), or a tile of draws made once
-// by fill_draws for the states that share them ([note: shared state draws]).
+// vector from it): the keyed hash of each element (rounding_bits), plus the step's rotation when
+// the stream's draws are dithered ([note: dithered draws]); or a tile of draws made once by
+// fill_draws for the states that share them ([note: shared state draws]).
+template <bool kDithered = false>
 struct KeyedDraws {
   uint32_t key;
   int64_t first_element;  // value 0's
+  uint32_t rotation = 0;  // kDithered only
 
-  [[gnu::always_inline]] uint32_t element(int64_t i) const { return rounding_bits(key, first_element + i); }
+  [[gnu::always_inline]] uint32_t element(int64_t i) const {
+    const uint32_t bits = rounding_bits(key, first_element + i);
+    return kDithered ? bits + rotation : bits;
+  }
 #if FUSEDAMP_F16C_LANES
   [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
-    return rounding_bit_lanes(key, add_lanes(lanes_of(uint32_t(first_element + i)), lane_indices()));
+    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element + i)), lane_indices());
+    const CodeLanes bits = rounding_bit_lanes(key, elements);
+    return kDithered ? add_lanes(bits, lanes_of(rotation)) : bits;
   }
 #endif
 };
@@ -66,9 +74,9 @@ struct TiledDraws {
 #endif
 };
 
-// The draws of elements [first_element, first_element + n) under `key`.
-[[gnu::always_inline]] inline void fill_draws(uint32_t key, int64_t first_element, int64_t n, uint32_t* draws) {
-  const KeyedDraws keyed{key, first_element};
+// The first n draws of `keyed`.
+template <bool kDithered>
+[[gnu::always_inline]] inline void fill_draws(const KeyedDraws<kDithered>& keyed, int64_t n, uint32_t* draws) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   for (; i + kCodeLanes <= n; i += kCodeLanes) store_word_lanes(draws + i, keyed.lanes(i));

@@ -96,9 +96,10 @@ struct StateGroup {
 
   // Every thread of the block calls it (an 8-bit block's scale is a block-wide reduction).
   // bf16 and 8-bit states are rounded stochastically ([note: unbiased state rounding]) with the
-  // bits of elements [element, element + E) under `key`.
+  // bits of elements [element, element + E) under `key`, plus `rotation` (0 unless the draws are
+  // dithered, [note: dithered draws]).
   __device__ __forceinline__ void store(codec_storage_t<C>* chunk, float* scales, int first, int count,
-                                        bool vector, uint32_t key, int64_t element) {
+                                        bool vector, uint32_t key, int64_t element, uint32_t rotation = 0u) {
     if constexpr (C == StateCodec::kInt8) {
       uint32_t max_bits = 0;
 #pragma unroll
@@ -110,7 +111,7 @@ struct StateGroup {
       const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits), kMaxStochasticCodeRounding);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const uint32_t rounding = stochastic_code_rounding<S>(rounding_bits(key, element + j));
+        const uint32_t rounding = stochastic_code_rounding<S>(rounding_bits(key, element + j) + rotation);
         stored.values[j] = encode_code<kSigned>(values[j], top, rounding);
       }
       if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = block_scale(top);
@@ -120,7 +121,8 @@ struct StateGroup {
         if constexpr (C == StateCodec::kFloat32) {
           stored.values[j] = values[j];
         } else {
-          stored.values[j] = float_to_bf16_state(values[j], bf16_state_random<S>(rounding_bits(key, element + j)));
+          stored.values[j] =
+              float_to_bf16_state(values[j], bf16_state_random<S>(rounding_bits(key, element + j) + rotation));
         }
       }
     }

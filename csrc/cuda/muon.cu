@@ -46,7 +46,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<MuonCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
-  const uint32_t buffer_key = s.keys(args.rounding.seed).key(RoundingStream::kState0);
+  // The buffer rounds with dithered draws ([note: dithered draws]).
+  const ChunkKeys keys = s.keys(args.rounding.seed);
+  const uint32_t buffer_key = keys.dither_key(RoundingStream::kState0);
+  const uint32_t rotation = keys.rotation();
   const auto update_side = param_chunk<MuonCall, U, G, kNoMaster>(meta, s.chunk);
   auto* buffer = chunk_pointer<codec_storage_t<C>>(meta, kMuonMomentumBuffer, s.chunk);
   float* scales = chunk_scales(meta, kMuonMomentumBufferScale, s.chunk);
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       muon_element<decltype(u)::value, G, decltype(m)::value>(registers, j, s.coefficients, s.multiplier,
                                                               args.inputs.write_grad);
     });
-    buffer_group.store(buffer, scales, first, count, vector, buffer_key, s.chunk.begin + first);
+    buffer_group.store(buffer, scales, first, count, vector, buffer_key, s.chunk.begin + first, rotation);
     x.store(update_side, first, count, vector, args.inputs.write_grad);
   });
 }

@@ -41,8 +41,10 @@ void muon_block_range(const MuonCall& call, int64_t tensor, const MuonCoefficien
   const ChunkKeys keys = chunk_keys(call, tensor, begin);
   const StagedParam<U, G, MasterKind::kNone> update = staged_param<U, G, MasterKind::kNone>(call, tensor, keys);
   void* const buffer = lists[kMuonMomentumBuffer][tensor];
-  StagedState<C, true> momentum(buffer, static_cast<float*>(lists[kMuonMomentumBufferScale][tensor]),
-                                keys.key(RoundingStream::kState0));
+  float* const scales = static_cast<float*>(lists[kMuonMomentumBufferScale][tensor]);
+  // The buffer rounds with dithered draws ([note: dithered draws]).
+  StagedState<C, true, DrawShare::kWhole, true> momentum(buffer, scales, keys.dither_key(RoundingStream::kState0),
+                                                         keys.rotation());
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     update.template prefetch<C>(block, end, buffer);

@@ -53,11 +53,33 @@ enum class RoundingStream : uint64_t { kParam = 0, kState0 = 1, kState1 = 2 };
 // `stream`: what both backends compute once per chunk and stream. The count is the optimizers'
 // fp32 step, exact up to 2^24 steps; past that torch's float step count stops growing, and the
 // keys repeat from step to step with it.
+FUSEDAMP_HOST_DEVICE uint64_t stream_seed(uint64_t seed, RoundingStream stream) {
+  return seed ^ (uint64_t(stream) * 0xd1b54a32d192ed03ull);
+}
+
 FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* rounding_id, float step, int64_t begin,
                                                  RoundingStream stream = RoundingStream::kParam) {
-  const uint64_t stream_seed = seed ^ (uint64_t(stream) * 0xd1b54a32d192ed03ull);
-  return rounding_key(stream_seed, rounding_id_of(rounding_id), uint64_t(step) + 1, uint64_t(begin) >> 32);
+  return rounding_key(stream_seed(seed, stream), rounding_id_of(rounding_id), uint64_t(step) + 1,
+                      uint64_t(begin) >> 32);
 }
+
+// [note: dithered draws] A stream can take its draws dithered instead of independent from step to
+// step: each element keeps one random phase (the keyed hash under a key without the step; step 0
+// is no step's count) and each step adds the same rotation, step * 2^32 / golden ratio (mod 2^32),
+// to every phase. A draw is still uniform over the phases, so each rounding stays unbiased, but an
+// element's draws now spread evenly over the steps (the golden ratio's multiples are the most
+// evenly spread), so the rounding errors of a slowly changing value cancel over a few steps
+// instead of adding up as a random walk. Muon's momentum buffer takes them: its step
+// orthogonalizes the buffer, and the noise that adds up in a slow buffer (momentum 0.99) with
+// independent draws took a few percent off that step; AdamW's and SGD's steps are elementwise and
+// average it out over the steps.
+FUSEDAMP_HOST_DEVICE uint32_t chunk_dither_key(uint64_t seed, const void* rounding_id, int64_t begin,
+                                               RoundingStream stream) {
+  return rounding_key(stream_seed(seed, stream), rounding_id_of(rounding_id), 0, uint64_t(begin) >> 32);
+}
+
+// What a dithered stream adds to each phase at the step after `step` (the count before it).
+FUSEDAMP_HOST_DEVICE uint32_t dither_rotation(float step) { return uint32_t(uint64_t(step) + 1) * 0x9e3779b9u; }
 
 // What the keys of one chunk of an optimizer step are made of (chunk_rounding_key), as both
 // backends gather them once per chunk: key(stream) for the param and each coded state.
@@ -70,6 +92,12 @@ struct ChunkKeys {
   FUSEDAMP_HOST_DEVICE uint32_t key(RoundingStream stream) const {
     return chunk_rounding_key(seed, rounding_id, step, begin, stream);
   }
+
+  // A dithered stream's key and this step's rotation ([note: dithered draws]).
+  FUSEDAMP_HOST_DEVICE uint32_t dither_key(RoundingStream stream) const {
+    return chunk_dither_key(seed, rounding_id, begin, stream);
+  }
+  FUSEDAMP_HOST_DEVICE uint32_t rotation() const { return dither_rotation(step); }
 };
 
 // 32 random bits of one element: Wellons' lowbias32 of its low 32 index bits and the key (two
