@@ -48,15 +48,16 @@ FUSEDAMP_HOST_DEVICE uint32_t rounding_key(uint64_t seed, uint64_t param_id, uin
 // two roundings share bits unless they split them.
 enum class RoundingStream : uint64_t { kParam = 0, kState0 = 1, kState1 = 2 };
 
+// The seed of one stream of a call: the call's seed, told apart per stream.
+FUSEDAMP_HOST_DEVICE uint64_t stream_seed(uint64_t seed, RoundingStream stream) {
+  return seed ^ (uint64_t(stream) * 0xd1b54a32d192ed03ull);
+}
+
 // The key of a chunk that starts at element `begin` of the param whose id travels in
 // `rounding_id` ([note: rounding ids]), for the step after `step` (the count before it) and
 // `stream`: what both backends compute once per chunk and stream. The count is the optimizers'
 // fp32 step, exact up to 2^24 steps; past that torch's float step count stops growing, and the
 // keys repeat from step to step with it.
-FUSEDAMP_HOST_DEVICE uint64_t stream_seed(uint64_t seed, RoundingStream stream) {
-  return seed ^ (uint64_t(stream) * 0xd1b54a32d192ed03ull);
-}
-
 FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* rounding_id, float step, int64_t begin,
                                                  RoundingStream stream = RoundingStream::kParam) {
   return rounding_key(stream_seed(seed, stream), rounding_id_of(rounding_id), uint64_t(step) + 1,
