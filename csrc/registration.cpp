@@ -32,9 +32,11 @@ TORCH_LIBRARY(fusedamp, m) {
       "int rounding_seed=0, bool stochastic_params=False) -> ()");
   // [note: state codecs] Moments (and SGD's momentum buffers) are float32, bfloat16 or uint8
   // block codes (math/codec.h), one dtype for every state list of a call; uint8 states come with
-  // their fp32 scale lists (one per 256 elements of storage order); bf16 and uint8 states are
-  // rounded stochastically ([note: unbiased state rounding]). Random bits come from a hash of
-  // (rounding_seed, step count after the step, rounding_ids[i] (default: i), element, stream).
+  // their bf16 scale lists (one per 256 elements of storage order, the block's code form in the
+  // sign bit); bf16 and uint8 states are rounded stochastically ([note: unbiased state
+  // rounding]). Random bits come from a hash of (rounding_seed, rounding_ids[i] (default: i),
+  // element, stream) and the step count: hashed in for the params, a rotation of the states'
+  // draws ([note: dithered draws]).
   // stochastic_params (fp16/bf16 params without masters): the params take the update
   // stochastically rounded too.
   // One fused SGD step (math/sgd.h); momentum_buffers empty when momentum == 0; a param whose
@@ -65,7 +67,8 @@ TORCH_LIBRARY(fusedamp, m) {
   m.def("join_bf16_remainder(Tensor param, Tensor remainder) -> Tensor");
   // The 8-bit block codes of a float32 state (math/codec.h [note: block codes]): signed (exp_avg,
   // momentum) or unsigned (exp_avg_sq); blocks of 256 elements in storage order, codes in the
-  // input's memory format, scales 1-D. CPU only: used when states are imported or exported.
+  // input's memory format, scales 1-D bfloat16. CPU only: used when states are imported or
+  // exported.
   m.def("encode_state(Tensor values, bool is_signed) -> (Tensor codes, Tensor scales)");
   m.def("decode_state(Tensor codes, Tensor scales, bool is_signed) -> Tensor");
   // out = act(a @ b + bias) with fp32 accumulation, rounded once to out_dtype (a's dtype or

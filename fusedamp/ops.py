@@ -217,8 +217,10 @@ def muon_momentum_(
 
 
 def encode_state(values: Tensor, is_signed: bool) -> tuple[Tensor, Tensor]:
-    """The 8-bit block codes of a float32 state (csrc/include/fusedamp/math/codec.h): uint8 codes
-    in ``values``' memory format and one float32 scale per 256 elements of storage order. CPU.
+    """The 8-bit block codes of a float32 state (csrc/include/fusedamp/math/codec.h), rounded to
+    nearest: uint8 codes in ``values``' memory format and one bfloat16 scale per 256 elements of
+    storage order (the sign bit of a signed state's scale says which form its block's codes
+    take). CPU.
 
     >>> codes, scales = encode_state(torch.tensor([0.5, -0.25]), True)
     >>> decode_state(codes, scales, True)
@@ -269,7 +271,7 @@ for _name in ("unscale_", "check_and_norm_", "update_scale_", "adamw_", "sgd_", 
 @torch.library.register_fake("fusedamp::encode_state")
 def _encode_state_fake(values: Tensor, is_signed: bool) -> tuple[Tensor, Tensor]:
     blocks = (values.numel() + 255) // 256
-    return torch.empty_like(values, dtype=torch.uint8), values.new_empty((blocks,), dtype=torch.float32)
+    return torch.empty_like(values, dtype=torch.uint8), values.new_empty((blocks,), dtype=torch.bfloat16)
 
 
 @torch.library.register_fake("fusedamp::decode_state")

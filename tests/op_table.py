@@ -1000,9 +1000,10 @@ def _adamw_reference(
 # (a few ulps of values up to about 10 in these samples: lr times an update, the param itself).
 FP32_STATE = Tol(1e-5, 2e-6)
 # bf16 states: one stochastic rounding (under one ulp); 8-bit codes (observed as float64): under a
-# unit of 3 mantissa bits, and values below a block's 16 binades flushed (atol, for these samples'
-# scales; the top binade may be one above the largest value's, [note: unbiased state rounding]).
-CODED_STATE = {torch.bfloat16: Tol(2.0**-7, 1e-9), torch.float64: Tol(2.0**-3, 6e-5)}
+# code step, which is at most 2^-3 of a value in a block's top 4 binades and at most 2^-8 of the
+# block's scale below them, where the codes have fewer mantissa bits (atol, for these samples'
+# scales, [note: block codes]).
+CODED_STATE = {torch.bfloat16: Tol(2.0**-7, 1e-9), torch.float64: Tol(2.0**-3, 5e-4)}
 OPTIMIZER_PARAMS = {torch.float32: FP32_STATE, **ONE_ULP}
 
 
@@ -2032,30 +2033,70 @@ def _storage_order(tensor: Tensor) -> Tensor:
     return tensor.permute(*dims).reshape(-1)
 
 
+# The code forms of [note: block codes]: (offset, shift, bias) of signed narrow, signed wide and
+# unsigned codes, and each form's top code's relative value.
+_FORMS = {"narrow": (0, 1, 0xB9800000), "wide": (0, 2, 0x33800000), "unsigned": (32, 3, 0x23000000)}
+_FORM_TOP = {"narrow": 0x3F7C0000, "wide": 0x3F780000, "unsigned": 0x3F7C0000}
+_SMALLEST_CODE = {"narrow": 3, "wide": 4, "unsigned": 3}
+
+
+def _float32_of_bits(bits: Tensor) -> Tensor:
+    return bits.to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32).view(torch.float32)
+
+
+def _bits_of_float32(values: Tensor) -> Tensor:
+    return values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
 def _code_bits(values: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
-    """[note: block codes] on int64 bit patterns, in storage order: (uint8 codes, scale bits)."""
+    """[note: block codes] in int64 and float32 arithmetic (each operation rounded once, as the
+    kernels do), in storage order: (uint8 codes, bf16 scale bits)."""
     flat = _storage_order(values)
-    bits = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = _bits_of_float32(flat)
     magnitude = bits & 0x7FFFFFFF
-    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
     blocks = (flat.numel() + 255) // 256
-    finite = torch.where(magnitude < 0x7F800000, magnitude, 0)
     padded = torch.zeros(blocks * 256, dtype=torch.int64)
-    padded[: flat.numel()] = finite
-    block_max = padded.view(blocks, 256).amax(1) if blocks else padded
-    top = ((block_max + 0x7FFFF + ((block_max >> 20) & 1)) >> 23).clamp(max=254)
-    top_exponent = 15 if signed else 31
-    per_element = top.repeat_interleave(256)[: flat.numel()]
-    code = ((rounded >> 20) - (per_element - top_exponent) * 8).clamp(max=0x7F if signed else 0xFF)
-    representable = (code >= 8) & (magnitude >= 0x00800000) & (per_element != 0)
-    flushed = torch.zeros_like(code) if signed else (magnitude != 0).to(torch.int64) * 8
-    result = torch.where(representable, code, flushed)
-    special = torch.where(magnitude == 0x7F800000, 2, 1)
-    result = torch.where(magnitude >= 0x7F800000, special, result)
+    padded[: flat.numel()] = torch.where(magnitude < 0x7F800000, magnitude, 0)
+    block_max = padded.view(blocks, 256).amax(1)
+    exponents = torch.zeros(blocks * 256, dtype=torch.int64)
+    exponents[: flat.numel()] = magnitude >> 23
+    counts = torch.full((blocks,), 256, dtype=torch.int64)
+    if blocks:
+        counts[-1] = flat.numel() - 256 * (blocks - 1)
+    wide = (counts * (block_max >> 23) > exponents.view(blocks, 256).sum(1) + 4 * counts) & signed
+    top = torch.where(wide, _FORM_TOP["wide"], _FORM_TOP["narrow"] if signed else _FORM_TOP["unsigned"])
+    quotient = _bits_of_float32(_float32_of_bits(block_max) / _float32_of_bits(top))
+    scale = ((quotient + 0xFFFF) >> 16).clamp(max=0x7F7F)
+    scale = torch.where(block_max < 0x00800000, 0, scale)
+    scale_value = _float32_of_bits(scale << 16)
+    inverse = torch.where(scale_value == 0, 0.0, torch.tensor(1.0) / scale_value)
+    per_element = {
+        name: t.repeat_interleave(256)[: flat.numel()] for name, t in (("wide", wide), ("inverse", inverse))
+    }
+    relative = _float32_of_bits(magnitude) * per_element["inverse"]
+    relative_bits = _bits_of_float32(relative)
+    codes = torch.zeros_like(bits)
+    for form in (("narrow", "wide") if signed else ("unsigned",)):
+        offset, shift, bias = _FORMS[form]
+        smallest_code = _SMALLEST_CODE[form]
+        integer_bits = int(_bits_of_float32(torch.tensor(float(smallest_code + offset))))
+        smallest_bits = ((integer_bits << shift) + bias) & 0xFFFFFFFF
+        position = relative_bits.clamp(min=smallest_bits, max=_FORM_TOP[form])
+        dropped = integer_bits & ~(0xFFFFFFFF >> shift)
+        real = _float32_of_bits((((position - bias) & 0xFFFFFFFF) >> shift) | dropped)
+        code = (real + 1.5).to(torch.int64) - (offset + 1)
+        below = relative_bits < smallest_bits
+        if signed:
+            scaled = relative * _float32_of_bits(torch.tensor((254 << 23) - smallest_bits))
+            code = torch.where(below, torch.where(scaled + 1.5 >= 2.0, smallest_code, 0), code)
+        else:
+            code = torch.where(below, torch.where(magnitude != 0, smallest_code, 0), code)
+        in_form = per_element["wide"] if form == "wide" else ~per_element["wide"]
+        codes = torch.where(in_form, code, codes)
+    codes = torch.where(magnitude >= 0x7F800000, torch.where(magnitude == 0x7F800000, 2, 1), codes)
     if signed:
-        result = result | ((bits >> 24) & 0x80)
-    scale_bits = torch.where(top != 0, top << 23, 0)
-    return result.to(torch.uint8), scale_bits.to(torch.int32)
+        codes = codes | torch.where(magnitude > 0x7F800000, 0, (bits >> 24) & 0x80)
+    return codes.to(torch.uint8), (scale | torch.where(wide, 0x8000, 0)).to(torch.int16)
 
 
 def _encode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
@@ -2079,7 +2120,7 @@ def _encode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
 
 def _encode_reference(values: Tensor, is_signed: bool) -> Outputs:
     codes, scale_bits = _code_bits(values, is_signed)
-    return {"codes": [codes], "scales": [scale_bits.view(torch.float32)]}
+    return {"codes": [codes], "scales": [scale_bits.view(torch.bfloat16)]}
 
 
 def _encode_observe(args: Args, returned: tuple[Tensor, Tensor]) -> Outputs:
@@ -2113,18 +2154,18 @@ ENCODE = OpEntry(
     devices=("cpu",),
     returns=("codes", "scales"),
     observe=_encode_observe,
-    notes="CPU only (the optimizers use it to import and export states). The codes are defined on "
-    "bits: the reference is integer arithmetic, compared bit for bit (tests/test_codec.py checks "
-    "what they decode to against a float64 reading of the definition).",
+    notes="CPU only (the optimizers use it to import and export states). The reference takes the "
+    "definition's integer and float32 steps, compared bit for bit (tests/test_codec.py checks the "
+    "codes against a float64 reading of the definition).",
 )
 
 
 def _decode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
     generator = _generator(24)
-    every_code = torch.arange(256, dtype=torch.uint8).repeat(3)
-    scales = torch.tensor([2.0**-20, 1.0, 0.0])
+    every_code = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4)
+    scales = torch.tensor([2.0**-20, 1.0, 0.0, -3.0]).bfloat16()  # -3: scale 3, the wide form
     random_codes = torch.randint(0, 256, (3, 5, 7), generator=generator, dtype=torch.uint8)
-    random_scales = 2.0 ** torch.randint(-60, 60, (1,), generator=generator).float()
+    random_scales = (2.0 ** torch.randint(-60, 60, (1,), generator=generator).float()).bfloat16()
     samples = []
     for signed in (True, False):
         kind = "signed" if signed else "unsigned"
@@ -2138,20 +2179,43 @@ def _decode_samples(device: str, dtype: torch.dtype) -> list[Sample]:
                     signed,
                 ),
             ),
-            Sample(f"{kind}_empty", (torch.zeros(0, dtype=torch.uint8), torch.zeros(0), signed)),
+            Sample(f"{kind}_empty", (torch.zeros(0, dtype=torch.uint8), torch.zeros(0).bfloat16(), signed)),
         ]
     return samples
 
 
+def _relative_code_value(code: Tensor, form: str) -> Tensor:
+    """A value code's relative value from the definition in float64: the integer n = code +
+    offset = 2^p (1 + m) stands for 2^(2^shift p + floor(2^shift m) + c) (1 + frac(2^shift m)),
+    with c putting the top code into [0.5, 1)."""
+    offset, shift, _ = _FORMS[form]
+    n = (code + offset).double()
+    power = torch.floor(torch.log2(n))
+    moved = (n / 2**power - 1) * 2**shift
+    top = 0x7F if form != "unsigned" else 0xFF
+    top_n = top + offset
+    top_power = math.floor(math.log2(top_n))
+    top_moved = (top_n / 2**top_power - 1) * 2**shift
+    top_log = 2**shift * top_power + math.floor(top_moved)  # the top code's value: 2^top_log (1 + frac)
+    return 2.0 ** (2**shift * power + torch.floor(moved) - top_log - 1) * (1 + moved - torch.floor(moved))
+
+
 def _decode_reference(codes: Tensor, scales: Tensor, is_signed: bool) -> Outputs:
-    """The definition in float64: 2^(E - top) * (1 + M / 8) * scale; E = 0: zero, NaN, inf."""
+    """The definition in float64: rel(code) * scale under the block's form; codes 0, 1, 2: zero,
+    NaN, inf."""
     flat = _storage_order(codes).to(torch.int64)
     magnitude = flat & (0x7F if is_signed else 0xFF)
-    exponent, mantissa = magnitude >> 3, (magnitude & 7).double()
-    scale = scales.double().repeat_interleave(256)[: flat.numel()]
-    values = 2.0 ** (exponent.double() - (15 if is_signed else 31)) * (1 + mantissa / 8) * scale
+    stored = scales.view(torch.int16).to(torch.int64).repeat_interleave(256)[: flat.numel()]
+    scale = (stored & 0x7FFF).to(torch.int16).view(torch.bfloat16).double()
+    wide = (stored & 0x8000) != 0
+    if is_signed:
+        narrow = _relative_code_value(magnitude, "narrow")
+        relative = torch.where(wide, _relative_code_value(magnitude, "wide"), narrow)
+    else:
+        relative = _relative_code_value(magnitude, "unsigned")
+    values = relative * scale
     special = torch.where(magnitude == 0, 0.0, torch.where(magnitude == 1, math.nan, math.inf)).double()
-    values = torch.where(exponent >= 1, values, special)
+    values = torch.where(magnitude >= 3, values, special)
     if is_signed:
         values = torch.where(flat >= 0x80, -values, values)
     return {"values": [values.float().view(codes.shape) if codes.is_contiguous() else values.float()]}
@@ -2167,19 +2231,23 @@ DECODE = OpEntry(
     bad_inputs=(
         BadInput(
             "int8_codes",
-            lambda: (torch.zeros(3, dtype=torch.int8), torch.ones(1), True),
+            lambda: (torch.zeros(3, dtype=torch.int8), torch.ones(1).bfloat16(), True),
             TypeError,
-            "decode_state: codes must be uint8 and scales float32, got Char and Float",
+            "decode_state: codes must be uint8 and scales bfloat16, got Char and BFloat16",
         ),
         BadInput(
             "short_scales",
-            lambda: (torch.zeros(300, dtype=torch.uint8), torch.ones(1), True),
+            lambda: (torch.zeros(300, dtype=torch.uint8), torch.ones(1).bfloat16(), True),
             RuntimeError,
             "decode_state: scales must be a contiguous tensor of one scale per 256 codes (2), got 1",
         ),
         BadInput(
             "cuda_codes",
-            lambda: (torch.zeros(3, dtype=torch.uint8, device="cuda"), torch.ones(1, device="cuda"), True),
+            lambda: (
+                torch.zeros(3, dtype=torch.uint8, device="cuda"),
+                torch.ones(1, device="cuda").bfloat16(),
+                True,
+            ),
             NotImplementedError,
             "Could not run 'fusedamp::decode_state' with arguments from the 'CUDA' backend",
             device="cuda",

@@ -254,9 +254,9 @@ def test_memory_table_per_mode_from_the_tensors():
     assert (o2.weights, o2.grads, o2.masters, o2.moments, o2.other) == (
         2 * halves + 4 * norms + buffers, 2 * halves + 4 * norms, 4 * halves, 8 * values, steps)
     # Low memory: bf16 weights and grads as in O2, int16 remainders, int8 moments (1 byte a value
-    # and an fp32 scale per 256): half of fp32 AdamW's optimizer state, a third of O2's.
+    # and a bf16 scale per 256): half of fp32 AdamW's optimizer state, a third of O2's.
     low = by_mode["fusedamp-lowmem"]
-    scales = sum(2 * 4 * -(-p.numel() // 256) for p in model.parameters())
+    scales = sum(2 * 2 * -(-p.numel() // 256) for p in model.parameters())
     assert (low.weights, low.grads, low.masters, low.moments, low.other) == (
         o2.weights, o2.grads, 2 * halves, 2 * values + scales, steps)
     assert low.optimizer < 0.51 * by_mode["fp32"].optimizer and low.optimizer < 0.34 * o2.optimizer

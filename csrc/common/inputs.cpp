@@ -288,8 +288,8 @@ void check_state_scales(const char* op, StateCodec codec, at::TensorList params,
     for (size_t i = 0; i < params.size(); ++i) {
       const at::Tensor& scale = list.tensors[i];
       const ArgName name{op, list.name, int64_t(i)};
-      TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, "fusedamp: ", name, " is ",
-                       scale.scalar_type(), ", expected float32");
+      TORCH_CHECK_TYPE(scale.scalar_type() == at::kBFloat16, "fusedamp: ", name, " is ",
+                       scale.scalar_type(), ", expected bfloat16 (one scale per block, [note: block codes])");
       TORCH_CHECK(scale.device() == params[i].device(), "fusedamp: ", name, " is on ",
                   scale.device(), ", expected ", params[i].device());
       const int64_t blocks = codec_blocks(params[i].numel());

@@ -83,7 +83,7 @@ bool step_writes_grads(bool write_unscaled_grads, const c10::optional<at::Tensor
 StateCodec state_codec_of(const char* op, at::TensorList states, const char* name);
 at::ScalarType codec_dtype(StateCodec codec);
 
-// The scale lists of uint8 states (states[k] goes with scales[k]): one contiguous float32 tensor
+// The scale lists of uint8 states (states[k] goes with scales[k]): one contiguous bfloat16 tensor
 // of codec_blocks(numel) per param wherever its state list is used, none for other codecs; and no
 // tensor of the call (params, grads, masters, steps, states, scales) shares memory with another.
 void check_state_scales(const char* op, StateCodec codec, at::TensorList params,

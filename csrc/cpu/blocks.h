@@ -57,13 +57,12 @@ struct StateBlock {
   int64_t first = 0;                      // the block's first element
   uint32_t key = 0;                       // bf16, int8: the key of the chunk's rounding bits
   uint32_t rotation = 0;                  // kDithered: the step's rotation ([note: dithered draws])
-  float scale = 0.0f;                     // int8: the block's scale
-  BlockDecode decode{};                   // int8: how its codes decode
+  BlockDecode decode{};                   // int8: the block's scale and how its codes decode
   const float* pending_values = nullptr;  // int8: the block before, to encode; null if none
   uint8_t* pending_codes = nullptr;
   int64_t pending_first = 0;              // int8: the first element of the block before
-  BlockTop pending_top{};
-  MagnitudeMax<kSigned> largest;
+  BlockScale pending_scale{};
+  BlockStats<kSigned> stats;
 
   [[gnu::always_inline]] StateBlock() {}
 
@@ -72,14 +71,14 @@ struct StateBlock {
     if constexpr (C == StateCodec::kBFloat16) {
       bf16_tile_to_float(static_cast<const uint16_t*>(state) + offset, values + offset, n);
     } else if constexpr (C == StateCodec::kInt8) {
-      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, scale, decode, n, values + offset);
+      decode_state_tile<kSigned>(static_cast<const uint8_t*>(state) + offset, decode, n, values + offset);
     }
     return values + offset;
   }
 
   // Takes back the group that stage() gave, after the math updated it: a bf16 state rounded with
   // its draws (KeyedDraws, or the TiledDraws of a shared draw), an int8 one folded into the
-  // block's maximum.
+  // block's statistics.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
     unstage(offset, n, KeyedDraws<kDithered>{key, first + offset, rotation});
   }
@@ -89,7 +88,7 @@ struct StateBlock {
     if constexpr (C == StateCodec::kBFloat16) {
       float_tile_to_bf16_state<S>(values + offset, static_cast<uint16_t*>(state) + offset, n, draws);
     } else if constexpr (C == StateCodec::kInt8) {
-      largest.fold(values + offset, n);
+      stats.fold(values + offset, n);
     }
   }
 
@@ -103,7 +102,7 @@ struct StateBlock {
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n, Draws draws) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_values != nullptr) {
-        encode_codes<kSigned>(pending_values + offset, n, pending_top, pending_codes + offset,
+        encode_codes<kSigned>(pending_values + offset, n, pending_scale, pending_codes + offset,
                               stochastic_code_rounding_of<S>(draws));
       }
     }
@@ -113,19 +112,19 @@ struct StateBlock {
 // [note: shared state draws] Takes back a group of the two states that share one draw per element
 // (same key, the low and the high share): the group's draws are made once, for the state that
 // rounds now: a bf16 one as the group comes back, an int8 one as the block before is encoded.
-template <StateCodec C, bool kLowSigned, bool kHighSigned>
-[[gnu::always_inline]] inline void unstage_state_pair(StateBlock<C, kLowSigned, DrawShare::kLow>& low,
-                                                      StateBlock<C, kHighSigned, DrawShare::kHigh>& high,
+template <StateCodec C, bool kLowSigned, bool kHighSigned, bool kDithered>
+[[gnu::always_inline]] inline void unstage_state_pair(StateBlock<C, kLowSigned, DrawShare::kLow, kDithered>& low,
+                                                      StateBlock<C, kHighSigned, DrawShare::kHigh, kDithered>& high,
                                                       int64_t offset, int64_t n, uint32_t* draw_tile) {
   if constexpr (C == StateCodec::kBFloat16) {
-    fill_draws(KeyedDraws<>{low.key, low.first + offset}, n, draw_tile);
+    fill_draws(KeyedDraws<kDithered>{low.key, low.first + offset, low.rotation}, n, draw_tile);
     low.unstage(offset, n, TiledDraws{draw_tile});
     high.unstage(offset, n, TiledDraws{draw_tile});
   } else if constexpr (C == StateCodec::kInt8) {
     low.unstage(offset, n);
     high.unstage(offset, n);
     if (low.pending_values != nullptr) {
-      fill_draws(KeyedDraws<>{low.key, low.pending_first + offset}, n, draw_tile);
+      fill_draws(KeyedDraws<kDithered>{low.key, low.pending_first + offset, low.rotation}, n, draw_tile);
       low.encode_pending(offset, n, TiledDraws{draw_tile});
       high.encode_pending(offset, n, TiledDraws{draw_tile});
     }
@@ -140,7 +139,7 @@ template <StateCodec C, bool kLowSigned, bool kHighSigned>
 template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole, bool kDithered = false>
 class StagedState {
  public:
-  StagedState(void* state, float* scales, uint32_t key, uint32_t rotation = 0)
+  StagedState(void* state, uint16_t* scales, uint32_t key, uint32_t rotation = 0)
       : state_(state), scales_(scales), key_(key), rotation_(rotation) {}
 
   // The block of n elements from block_first.
@@ -158,31 +157,31 @@ class StagedState {
     } else {
       block.state = static_cast<uint8_t*>(state_) + block_first;
       block.values = tiles_[current_];
-      block.scale = scales_[block_first / kCodecBlock];
-      block.decode = block_decode_of<kSigned>(static_cast<const uint8_t*>(block.state), block.scale, n);
+      block.decode = block_decode_of<kSigned>(static_cast<const uint8_t*>(block.state),
+                                              scales_[block_first / kCodecBlock], n);
       if (pending_n_ != 0) {
         block.pending_values = tiles_[current_ ^ 1];
         block.pending_codes = static_cast<uint8_t*>(state_) + pending_first_;
         block.pending_first = pending_first_;
-        block.pending_top = pending_top_;
+        block.pending_scale = pending_scale_;
       }
     }
     return block;
   }
 
   // Ends `block`, of n values from block_first: the pending block's codes past n are written
-  // (this block is a chunk's short last one), and this block, its scale stored, becomes the
-  // pending one.
+  // (this block is a chunk's short last one), and this block, its scale (and form) stored,
+  // becomes the pending one.
   [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S, kDithered>& block, int64_t block_first,
                                         int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ > n) {
         const KeyedDraws<kDithered> draws{key_, pending_first_ + n, rotation_};
-        encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_top_, block.pending_codes + n,
+        encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_scale_, block.pending_codes + n,
                               stochastic_code_rounding_of<S>(draws));
       }
-      pending_top_ = block_top_of(block.values, n, block.largest.bits(), kMaxStochasticCodeRounding);
-      scales_[block_first / kCodecBlock] = block_scale(pending_top_.exponent);
+      pending_scale_ = block_scale_of<kSigned>(block.values, n, block.stats, block.decode.stored);
+      scales_[block_first / kCodecBlock] = pending_scale_.stored;
       pending_first_ = block_first;
       pending_n_ = n;
       current_ ^= 1;
@@ -195,7 +194,7 @@ class StagedState {
       if (pending_n_ != 0) {
         const KeyedDraws<kDithered> draws{key_, pending_first_, rotation_};
         uint8_t* const codes = static_cast<uint8_t*>(state_) + pending_first_;
-        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_top_, codes,
+        encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_scale_, codes,
                               stochastic_code_rounding_of<S>(draws));
       }
       pending_n_ = 0;
@@ -205,14 +204,14 @@ class StagedState {
  private:
   static constexpr int64_t kTile = C == StateCodec::kFloat32 ? 1 : kCodecBlock;
   void* state_;
-  float* scales_;
+  uint16_t* scales_;
   uint32_t key_;
   uint32_t rotation_;
   alignas(64) float tiles_[2][kTile];  // the current block's values and the pending block's
   int current_ = 0;
   int64_t pending_first_ = 0;
   int64_t pending_n_ = 0;  // 0: no block pending
-  BlockTop pending_top_{};
+  BlockScale pending_scale_{};
 };
 
 #if FUSEDAMP_F16C_LANES

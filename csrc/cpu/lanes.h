@@ -90,6 +90,14 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_maskz_max_epu32(__mmask16(0xffff), a, b);
 }
+[[gnu::always_inline]] inline uint32_t sum_of_lanes(CodeLanes a) {
+  const __m256i half = _mm256_add_epi32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
+                                        _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
 [[gnu::always_inline]] inline uint32_t max_unsigned_of_lanes(CodeLanes a) {
   const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
                                         _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
@@ -117,6 +125,33 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
   return _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(b)));
 }
+// The lanes as fp32 values (bit patterns in and out): a product, a sum, a conversion from
+// integers and one to integers (truncated).
+[[gnu::always_inline]] inline CodeLanes mul_float_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+}
+[[gnu::always_inline]] inline CodeLanes add_float_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b)));
+}
+[[gnu::always_inline]] inline CodeLanes integer_lanes_as_floats(CodeLanes a) {
+  return _mm512_castps_si512(_mm512_maskz_cvtepi32_ps(__mmask16(0xffff), a));
+}
+[[gnu::always_inline]] inline CodeLanes float_lanes_as_integers(CodeLanes a) {
+  return _mm512_maskz_cvttps_epi32(__mmask16(0xffff), _mm512_castsi512_ps(a));
+}
+// Shifts by a count known at run time only, the same for every lane.
+using ShiftCount = __m128i;
+[[gnu::always_inline]] inline ShiftCount shift_count(uint32_t bits) { return _mm_cvtsi32_si128(int(bits)); }
+[[gnu::always_inline]] inline CodeLanes shift_right_by(CodeLanes a, ShiftCount count) {
+  return _mm512_maskz_srl_epi32(__mmask16(0xffff), a, count);
+}
+[[gnu::always_inline]] inline CodeLanes shift_left_by(CodeLanes a, ShiftCount count) {
+  return _mm512_maskz_sll_epi32(__mmask16(0xffff), a, count);
+}
+// (a & mask) | bits, one instruction.
+[[gnu::always_inline]] inline CodeLanes and_or(CodeLanes a, uint32_t mask, uint32_t bits) {
+  return _mm512_ternarylogic_epi32(a, lanes_of(mask), lanes_of(bits), 0xea);
+}
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm512_storeu_ps(values, _mm512_castsi512_ps(a));
 }
@@ -125,6 +160,10 @@ using LaneMask = __mmask16;
 }
 [[gnu::always_inline]] inline void store_word_lanes(uint32_t* words, CodeLanes a) { _mm512_storeu_si512(words, a); }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm512_xor_si512(a, b); }
+[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm512_or_si512(a, b); }
+[[gnu::always_inline]] inline LaneMask lanes_below_lanes(CodeLanes a, CodeLanes b) {
+  return _mm512_cmplt_epi32_mask(a, b);
+}
 [[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
   return _mm512_maskz_mullo_epi32(__mmask16(0xffff), a, lanes_of(b));
 }
@@ -193,6 +232,12 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) { return _mm256_min_epi32(a, b); }
 [[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epi32(a, b); }
 [[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epu32(a, b); }
+[[gnu::always_inline]] inline uint32_t sum_of_lanes(CodeLanes a) {
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
 [[gnu::always_inline]] inline uint32_t max_unsigned_of_lanes(CodeLanes a) {
   __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
@@ -217,6 +262,29 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
   return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(b)));
 }
+[[gnu::always_inline]] inline CodeLanes mul_float_lanes(CodeLanes a, CodeLanes b) {
+  return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
+}
+[[gnu::always_inline]] inline CodeLanes add_float_lanes(CodeLanes a, CodeLanes b) {
+  return _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));
+}
+[[gnu::always_inline]] inline CodeLanes integer_lanes_as_floats(CodeLanes a) {
+  return _mm256_castps_si256(_mm256_cvtepi32_ps(a));
+}
+[[gnu::always_inline]] inline CodeLanes float_lanes_as_integers(CodeLanes a) {
+  return _mm256_cvttps_epi32(_mm256_castsi256_ps(a));
+}
+using ShiftCount = __m128i;
+[[gnu::always_inline]] inline ShiftCount shift_count(uint32_t bits) { return _mm_cvtsi32_si128(int(bits)); }
+[[gnu::always_inline]] inline CodeLanes shift_right_by(CodeLanes a, ShiftCount count) {
+  return _mm256_srl_epi32(a, count);
+}
+[[gnu::always_inline]] inline CodeLanes shift_left_by(CodeLanes a, ShiftCount count) {
+  return _mm256_sll_epi32(a, count);
+}
+[[gnu::always_inline]] inline CodeLanes and_or(CodeLanes a, uint32_t mask, uint32_t bits) {
+  return _mm256_or_si256(_mm256_and_si256(a, lanes_of(mask)), lanes_of(bits));
+}
 [[gnu::always_inline]] inline void store_bit_lanes(float* values, CodeLanes a) {
   _mm256_storeu_ps(values, _mm256_castsi256_ps(a));
 }
@@ -227,6 +295,8 @@ using LaneMask = __m256i;
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), a);
 }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm256_xor_si256(a, b); }
+[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm256_or_si256(a, b); }
+[[gnu::always_inline]] inline LaneMask lanes_below_lanes(CodeLanes a, CodeLanes b) { return _mm256_cmpgt_epi32(b, a); }
 [[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
   return _mm256_mullo_epi32(a, lanes_of(b));
 }

@@ -21,17 +21,19 @@ __global__ void __launch_bounds__(kBlockThreads)
   const bool amsgrad = args.hyper.amsgrad;
   const ChunkKeys keys = s.keys(args.rounding.seed);
   const uint32_t key = kStochastic ? keys.key(RoundingStream::kParam) : 0u;
-  // Both moments round with the bits of one draw ([note: shared state draws]).
-  const uint32_t moments_key = keys.key(RoundingStream::kState0);
-  const uint32_t max_exp_avg_sq_key = keys.key(RoundingStream::kState1);
+  // Both moments round with the bits of one dithered draw ([note: shared state draws],
+  // [note: dithered draws]).
+  const uint32_t moments_key = keys.dither_key(RoundingStream::kState0);
+  const uint32_t max_exp_avg_sq_key = keys.dither_key(RoundingStream::kState1);
+  const uint32_t rotation = keys.rotation();
 
   const auto param_side = param_chunk<AdamWCall, P, G, M>(meta, s.chunk);
   auto* exp_avg = chunk_pointer<State>(meta, kAdamWExpAvg, s.chunk);
   auto* exp_avg_sq = chunk_pointer<State>(meta, kAdamWExpAvgSq, s.chunk);
   auto* max_exp_avg_sq = chunk_pointer<State>(meta, kAdamWMaxExpAvgSq, s.chunk);
-  float* exp_avg_scales = chunk_scales(meta, kAdamWExpAvgScale, s.chunk);
-  float* exp_avg_sq_scales = chunk_scales(meta, kAdamWExpAvgSqScale, s.chunk);
-  float* max_exp_avg_sq_scales = chunk_scales(meta, kAdamWMaxExpAvgSqScale, s.chunk);
+  uint16_t* exp_avg_scales = chunk_scales(meta, kAdamWExpAvgScale, s.chunk);
+  uint16_t* exp_avg_sq_scales = chunk_scales(meta, kAdamWExpAvgSqScale, s.chunk);
+  uint16_t* max_exp_avg_sq_scales = chunk_scales(meta, kAdamWMaxExpAvgSqScale, s.chunk);
   const int count = int(s.chunk.count);
   const bool aligned =
       all_aligned<E>(param_side.param, param_side.grad, param_side.master, exp_avg, exp_avg_sq, max_exp_avg_sq);
@@ -54,9 +56,11 @@ __global__ void __launch_bounds__(kBlockThreads)
         },
         key, element);
 
-    m.store(exp_avg, exp_avg_scales, first, count, vector, moments_key, element);
-    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, moments_key, element);
-    if (amsgrad) v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector, max_exp_avg_sq_key, element);
+    m.store(exp_avg, exp_avg_scales, first, count, vector, moments_key, element, rotation);
+    v.store(exp_avg_sq, exp_avg_sq_scales, first, count, vector, moments_key, element, rotation);
+    if (amsgrad) {
+      v_max.store(max_exp_avg_sq, max_exp_avg_sq_scales, first, count, vector, max_exp_avg_sq_key, element, rotation);
+    }
     x.store(param_side, first, count, vector, args.inputs.write_grad);
   });
 }

@@ -1,6 +1,6 @@
 // The CUDA side of [note: block staging] (cpu/blocks.h), the twin of cpu/codec.h: a thread's E
 // consecutive elements of an optimizer state loaded as fp32 through the call's codec (math/codec.h)
-// and stored back, the scale of each 8-bit block reduced over the threads that share it.
+// and stored back, the scale and form of each 8-bit block reduced over the threads that share it.
 #pragma once
 
 #include "cuda/multi_tensor_apply.cuh"
@@ -41,33 +41,45 @@ __device__ __forceinline__ void for_each_coded_group(int count, bool aligned, Bo
 
 // The scales of an 8-bit state list from the chunk's first block (null stays null: no scales).
 template <int kLists>
-__device__ __forceinline__ float* chunk_scales(const ChunkMetadata<kLists>& meta, int list,
-                                               const ChunkLocation& chunk) {
-  float* base = static_cast<float*>(meta.pointers[list][chunk.slot]);
+__device__ __forceinline__ uint16_t* chunk_scales(const ChunkMetadata<kLists>& meta, int list,
+                                                  const ChunkLocation& chunk) {
+  uint16_t* base = static_cast<uint16_t*>(meta.pointers[list][chunk.slot]);
   return base == nullptr ? nullptr : base + chunk.begin / kCodecBlock;
 }
 
-// The largest of `bits` over the threads of this thread's codec block. Every thread of the block
-// calls it, the same number of times.
-template <int E>
-__device__ __forceinline__ uint32_t codec_block_max(uint32_t bits) {
+// The largest of `max_bits` and the sum of `exponent_sum` (kSum) over the threads of this thread's
+// codec block, in both arguments. Every thread of the block calls it, the same number of times.
+template <int E, bool kSum>
+__device__ __forceinline__ void codec_block_reduce(uint32_t& max_bits, uint32_t& exponent_sum) {
   constexpr int kWarps = CodedIterations<E>::kWarpsPerCodecBlock;
   __shared__ uint32_t warp_max[kBlockThreads / 32];
+  __shared__ uint32_t warp_sum[kSum ? kBlockThreads / 32 : 1];
 #if __CUDA_ARCH__ >= 800
-  bits = __reduce_max_sync(0xffffffffu, bits);
+  max_bits = __reduce_max_sync(0xffffffffu, max_bits);
+  if constexpr (kSum) exponent_sum = __reduce_add_sync(0xffffffffu, exponent_sum);
 #else
-  // Turing and older have no redux.sync: a butterfly of shuffles leaves the maximum in every lane.
+  // Turing and older have no redux.sync: a butterfly of shuffles leaves the result in every lane.
 #pragma unroll
-  for (int lanes = 16; lanes >= 1; lanes /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, lanes));
+  for (int lanes = 16; lanes >= 1; lanes /= 2) {
+    max_bits = max(max_bits, __shfl_xor_sync(0xffffffffu, max_bits, lanes));
+    if constexpr (kSum) exponent_sum += __shfl_xor_sync(0xffffffffu, exponent_sum, lanes);
+  }
 #endif
   const int warp = int(threadIdx.x) / 32;
-  if (threadIdx.x % 32 == 0) warp_max[warp] = bits;
+  if (threadIdx.x % 32 == 0) {
+    warp_max[warp] = max_bits;
+    if constexpr (kSum) warp_sum[warp] = exponent_sum;
+  }
   __syncthreads();
   const int first_warp = warp - warp % kWarps;
+  max_bits = 0;
+  if constexpr (kSum) exponent_sum = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) bits = max(bits, warp_max[first_warp + w]);
-  __syncthreads();  // the next call overwrites warp_max
-  return bits;
+  for (int w = 0; w < kWarps; ++w) {
+    max_bits = max(max_bits, warp_max[first_warp + w]);
+    if constexpr (kSum) exponent_sum += warp_sum[first_warp + w];
+  }
+  __syncthreads();  // the next call overwrites warp_max and warp_sum
 }
 
 // E elements of one state in registers as fp32 (`values`), loaded from and stored to codec C, its
@@ -76,12 +88,13 @@ template <StateCodec C, bool kSigned, int E, DrawShare S = DrawShare::kWhole>
 struct StateGroup {
   float values[E];
   ElementGroup<codec_storage_t<C>, E> stored;
+  uint16_t scale = 0;  // 8-bit: the block's scale as loaded ([note: steady scales])
 
   // chunk: the state at the chunk's first element; scales: the chunk's first scale (8-bit only).
-  __device__ __forceinline__ void load(const codec_storage_t<C>* chunk, const float* scales, int first,
+  __device__ __forceinline__ void load(const codec_storage_t<C>* chunk, const uint16_t* scales, int first,
                                        int count, bool vector) {
     stored.load(chunk, first, count, vector);
-    const float scale = C == StateCodec::kInt8 && first < count ? scales[first / int(kCodecBlock)] : 0.0f;
+    scale = C == StateCodec::kInt8 && first < count ? scales[first / int(kCodecBlock)] : uint16_t(0);
 #pragma unroll
     for (int j = 0; j < E; ++j) {
       if constexpr (C == StateCodec::kFloat32) {
@@ -94,27 +107,34 @@ struct StateGroup {
     }
   }
 
-  // Every thread of the block calls it (an 8-bit block's scale is a block-wide reduction).
-  // bf16 and 8-bit states are rounded stochastically ([note: unbiased state rounding]) with the
-  // bits of elements [element, element + E) under `key`, plus `rotation` (0 unless the draws are
-  // dithered, [note: dithered draws]).
-  __device__ __forceinline__ void store(codec_storage_t<C>* chunk, float* scales, int first, int count,
+  // Every thread of the block calls it (an 8-bit block's scale and form are block-wide
+  // reductions). bf16 and 8-bit states are rounded stochastically ([note: unbiased state
+  // rounding]) with the bits of elements [element, element + E) under `key`, plus `rotation` (0
+  // unless the draws are dithered, [note: dithered draws]).
+  __device__ __forceinline__ void store(codec_storage_t<C>* chunk, uint16_t* scales, int first, int count,
                                         bool vector, uint32_t key, int64_t element, uint32_t rotation = 0u) {
     if constexpr (C == StateCodec::kInt8) {
-      uint32_t max_bits = 0;
+      uint32_t max_bits = 0, exponent_sum = 0;
 #pragma unroll
       for (int j = 0; j < E; ++j) {
         // Past the chunk's end the values are computed on zeros: they must not count.
-        const uint32_t bits = first + j < count ? finite_magnitude_bits(values[j]) : 0u;
-        max_bits = max(max_bits, bits);
+        if (first + j < count) {
+          max_bits = max(max_bits, finite_magnitude_bits(values[j]));
+          if constexpr (kSigned) exponent_sum += magnitude_exponent(float_bits(values[j]) & 0x7fffffffu);
+        }
       }
-      const uint32_t top = block_top_exponent(codec_block_max<E>(max_bits), kMaxStochasticCodeRounding);
+      codec_block_reduce<E, kSigned>(max_bits, exponent_sum);
+      const int block_first = first - first % int(kCodecBlock);
+      const uint32_t n = uint32_t(min(int(kCodecBlock), count - block_first));
+      const bool wide = count > block_first && block_is_wide<kSigned>(max_bits, exponent_sum, n, scale_is_wide(scale));
+      scale = block_scale_bits<kSigned>(max_bits, wide, scale);
+      const BlockEncoding encoding = block_encoding(scale);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const uint32_t rounding = stochastic_code_rounding<S>(rounding_bits(key, element + j) + rotation);
-        stored.values[j] = encode_code<kSigned>(values[j], top, rounding);
+        const uint32_t unit = stochastic_code_unit<S>(rounding_bits(key, element + j) + rotation);
+        stored.values[j] = encode_code<kSigned>(values[j], encoding, unit);
       }
-      if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = block_scale(top);
+      if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = scale;
     } else {
 #pragma unroll
       for (int j = 0; j < E; ++j) {

@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const uint32_t rotation = keys.rotation();
   const auto update_side = param_chunk<MuonCall, U, G, kNoMaster>(meta, s.chunk);
   auto* buffer = chunk_pointer<codec_storage_t<C>>(meta, kMuonMomentumBuffer, s.chunk);
-  float* scales = chunk_scales(meta, kMuonMomentumBufferScale, s.chunk);
+  uint16_t* scales = chunk_scales(meta, kMuonMomentumBufferScale, s.chunk);
   const int count = int(s.chunk.count);
   const bool aligned = all_aligned<E>(update_side.param, update_side.grad, update_side.master, buffer);
   for_each_coded_group<E>(count, aligned, [&](int first, bool vector) {

@@ -18,11 +18,13 @@ __global__ void __launch_bounds__(kBlockThreads)
   const bool has_buffer = s.coefficients.momentum != 0.0f;
   const ChunkKeys keys = s.keys(args.rounding.seed);
   const uint32_t key = kStochastic ? keys.key(RoundingStream::kParam) : 0u;
-  const uint32_t buffer_key = keys.key(RoundingStream::kState0);
+  // Dithered draws ([note: dithered draws]).
+  const uint32_t buffer_key = keys.dither_key(RoundingStream::kState0);
+  const uint32_t rotation = keys.rotation();
 
   const auto param_side = param_chunk<SgdCall, P, G, M>(meta, s.chunk);
   auto* buffer = chunk_pointer<codec_storage_t<C>>(meta, kSgdMomentumBuffer, s.chunk);
-  float* scales = chunk_scales(meta, kSgdMomentumBufferScale, s.chunk);
+  uint16_t* scales = chunk_scales(meta, kSgdMomentumBufferScale, s.chunk);
   const int count = int(s.chunk.count);
   const bool aligned = all_aligned<E>(param_side.param, param_side.grad, param_side.master, buffer);
   for_each_coded_group<E>(count, aligned, [&](int first, bool vector) {
@@ -40,7 +42,7 @@ __global__ void __launch_bounds__(kBlockThreads)
         },
         key, element);
 
-    if (has_buffer) buffer_group.store(buffer, scales, first, count, vector, buffer_key, element);
+    if (has_buffer) buffer_group.store(buffer, scales, first, count, vector, buffer_key, element, rotation);
     x.store(param_side, first, count, vector, args.inputs.write_grad);
   });
 }

@@ -18,15 +18,15 @@ std::tuple<at::Tensor, at::Tensor> encode_state(const at::Tensor& values, bool i
                    "float32, got ", values.scalar_type());
   const at::Tensor source = values.is_non_overlapping_and_dense() ? values : values.contiguous();
   at::Tensor codes = at::empty_like(source, source.options().dtype(at::kByte));
-  at::Tensor scales = at::empty({codec_blocks(source.numel())}, source.options());
+  at::Tensor scales = at::empty({codec_blocks(source.numel())}, source.options().dtype(at::kBFloat16));
   run_kernel(EncodeStateCall{source.device(), source.const_data_ptr<float>(), codes.data_ptr<uint8_t>(),
-                             scales.data_ptr<float>(), source.numel(), is_signed});
+                             static_cast<uint16_t*>(scales.data_ptr()), source.numel(), is_signed});
   return {codes, scales};
 }
 
 at::Tensor decode_state(const at::Tensor& codes, const at::Tensor& scales, bool is_signed) {
-  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kFloat,
-                   "fusedamp: decode_state: codes must be uint8 and scales float32, got ",
+  TORCH_CHECK_TYPE(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kBFloat16,
+                   "fusedamp: decode_state: codes must be uint8 and scales bfloat16, got ",
                    codes.scalar_type(), " and ", scales.scalar_type());
   TORCH_CHECK(codes.is_non_overlapping_and_dense(), "fusedamp: decode_state: codes must be dense "
               "(sizes ", codes.sizes(), ", strides ", codes.strides(), ")");
@@ -34,8 +34,9 @@ at::Tensor decode_state(const at::Tensor& codes, const at::Tensor& scales, bool 
               "fusedamp: decode_state: scales must be a contiguous tensor of one scale per ",
               kCodecBlock, " codes (", codec_blocks(codes.numel()), "), got ", scales.numel());
   at::Tensor values = at::empty_like(codes, codes.options().dtype(at::kFloat));
-  run_kernel(DecodeStateCall{codes.device(), codes.const_data_ptr<uint8_t>(), scales.const_data_ptr<float>(),
-                             values.data_ptr<float>(), codes.numel(), is_signed});
+  run_kernel(DecodeStateCall{codes.device(), codes.const_data_ptr<uint8_t>(),
+                             static_cast<const uint16_t*>(scales.const_data_ptr()), values.data_ptr<float>(),
+                             codes.numel(), is_signed});
   return values;
 }
 

@@ -15,7 +15,7 @@ struct EncodeStateCall {
   c10::Device device;
   const float* values;
   uint8_t* codes;
-  float* scales;
+  uint16_t* scales;  // bf16 bits ([note: block codes])
   int64_t numel;
   bool is_signed;
 };
@@ -25,7 +25,7 @@ struct DecodeStateCall {
   using CpuChunk = void (*)(const DecodeStateCall&, int64_t first_block, int64_t end_block);
   c10::Device device;
   const uint8_t* codes;
-  const float* scales;
+  const uint16_t* scales;  // bf16 bits
   float* values;
   int64_t numel;
   bool is_signed;

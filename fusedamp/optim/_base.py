@@ -281,13 +281,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
 
     def _new_state(self, key: str, param: Tensor, state: dict[str, Any], moments: str = "fp32") -> Tensor:
         """A fresh state tensor for ``key`` shaped and laid out like ``param`` (the tensor the
-        kernels step), a moment stored under the ``moments`` codec (its scales: one float32 per
+        kernels step), a moment stored under the ``moments`` codec (its scales: one bfloat16 per
         256 elements); ``state`` holds the entries made before it."""
         if key == "step":
             return torch.zeros((), dtype=torch.float32, device=param.device)
         if key.endswith(_codecs.SCALES_SUFFIX):
             blocks = (param.numel() + _codecs.CODEC_BLOCK - 1) // _codecs.CODEC_BLOCK
-            return torch.zeros(blocks, dtype=torch.float32, device=param.device)
+            return torch.zeros(blocks, dtype=_codecs.SCALE_DTYPE, device=param.device)
         return torch.zeros_like(param, dtype=_codecs.CODED_DTYPES.get(moments, state_dtype(param.dtype)))
 
     def _state_of(self, param: Tensor, bucket: Bucket, work_param: Tensor) -> dict[str, Any]:
@@ -395,7 +395,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 if key == "step":
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
                 elif key.endswith(_codecs.SCALES_SUFFIX):
-                    state[key] = value.detach().to(device, torch.float32, copy=True).contiguous()
+                    # bfloat16; float32 scales are the earlier format's, converted below.
+                    state[key] = value.detach().to(device, copy=True, memory_format=torch.contiguous_format)
                 elif isinstance(value, Tensor):
                     dtype = torch.int16 if key == REMAINDER_KEY else state_dtype(param.dtype)
                     if key == MASTER_KEY:

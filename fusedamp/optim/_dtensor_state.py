@@ -8,19 +8,21 @@ hold it, so that ``torch.distributed.checkpoint`` saves each element once and re
 another world size; ``step`` stays a plain 0-dim tensor. ``load_state_dict`` takes the local
 shard back (:func:`local_entries`).
 
-The float32 scales of 8-bit moments are one per 256 elements of a rank's *local* storage, a
-layout that depends on the sharding. In the DTensor form, ``<key>_scales`` is instead a uint8
-DTensor shaped like the param holding each element's block scale as its biased float32 exponent
-e (a block scale is 2^(e - 127), or 0 for an all-zero block: e = 0; block_scale in
-csrc/include/fusedamp/math/codec.h), so that it reshards elementwise with the codes. On load, a
-local block whose elements all carry one exponent keeps its codes bitwise; any other block (the
-checkpoint was written under another sharding) is decoded element by element and encoded again.
+The bfloat16 scales of 8-bit moments are one per 256 elements of a rank's *local* storage, a
+layout that depends on the sharding. In the DTensor form, ``<key>_scales`` is instead a bfloat16
+DTensor shaped like the param holding each element's block scale (the scale with its form's flag,
+[note: block codes] in csrc/include/fusedamp/math/codec.h), so that it reshards elementwise with
+the codes. On load, a local block whose elements all carry one scale keeps its codes bitwise; any
+other block (the checkpoint was written under another sharding) is decoded element by element and
+encoded again. A uint8 form (each element's power-of-two scale as its float32 exponent) is that of
+earlier fusedamp builds, whose codes are decoded the same way and encoded in the current ones.
 The int16 remainders of bf16 masters are int32 in the DTensor form: gloo and NCCL have no int16
 collectives, which full state dicts (gathered DTensors) need.
 """
 
 from __future__ import annotations
 
+import warnings
 from itertools import chain
 from typing import Any
 
@@ -33,11 +35,8 @@ from fusedamp.optim import _codecs
 from fusedamp.optim._masters import REMAINDER_KEY
 
 __all__ = [
-    "block_codes", "dtensor_entries", "dtensor_state_dict", "element_exponents", "exponent_scales",
-    "local_entries",
+    "block_codes", "dtensor_entries", "dtensor_state_dict", "element_scales", "local_entries",
 ]
-
-_MANTISSA_AND_SIGN = -0x7F800001  # int32 bits outside the exponent field: 0x807fffff
 
 
 def _storage_flat(tensor: Tensor) -> Tensor:
@@ -50,70 +49,80 @@ def _blocks(numel: int) -> int:
     return (numel + _codecs.CODEC_BLOCK - 1) // _codecs.CODEC_BLOCK
 
 
-def exponent_scales(exponents: Tensor) -> Tensor:
-    """The float32 scales 2^(e - 127) of biased exponents ``e`` (uint8; 0 gives 0.0), shaped
-    and laid out like ``exponents``."""
-    return (exponents.to(torch.int32) << 23).view(torch.float32)
+def element_scales(codes: Tensor, scales: Tensor) -> Tensor:
+    """Each element's block scale: a bfloat16 tensor shaped and laid out like ``codes`` (dense),
+    from the bfloat16 ``scales`` of its blocks of 256 in storage order.
 
-
-def element_exponents(codes: Tensor, scales: Tensor) -> Tensor:
-    """Each element's block scale as its biased float32 exponent: a uint8 tensor shaped and laid
-    out like ``codes`` (dense), from the float32 ``scales`` of its blocks of 256 in storage order.
-
-    >>> element_exponents(torch.zeros(300, dtype=torch.uint8), torch.tensor([1.0, 0.0]))[[0, 255, 256]]
-    tensor([127, 127,   0], dtype=torch.uint8)
+    >>> codes, scales = torch.zeros(300, dtype=torch.uint8), torch.tensor([1.0, 0.0]).bfloat16()
+    >>> element_scales(codes, scales)[[0, 255, 256]]
+    tensor([1., 1., 0.], dtype=torch.bfloat16)
     """
     numel = codes.numel()
-    if scales.shape != (_blocks(numel),):
+    if scales.shape != (_blocks(numel),) or scales.dtype != _codecs.SCALE_DTYPE:
         raise ValueError(
-            f"8-bit state of {numel} elements has scales of shape {tuple(scales.shape)}; expected "
-            f"({_blocks(numel)},), one per {_codecs.CODEC_BLOCK} elements"
+            f"8-bit state of {numel} elements has scales of dtype {scales.dtype} and shape "
+            f"{tuple(scales.shape)}; expected bfloat16 of shape ({_blocks(numel)},), one per "
+            f"{_codecs.CODEC_BLOCK} elements"
         )
-    bits = scales.detach().float().view(torch.int32)
-    if bool(((bits & _MANTISSA_AND_SIGN) != 0).logical_or(bits >= 0x7F800000).any()):
-        raise ValueError("8-bit state scales must be 0 or finite positive powers of two (the codec's)")
-    exponents = (bits >> 23).to(torch.uint8)
-    per_element = exponents[:, None].expand(-1, _codecs.CODEC_BLOCK).reshape(-1)[:numel]
-    out = torch.empty_like(codes, dtype=torch.uint8)
+    per_element = scales[:, None].expand(-1, _codecs.CODEC_BLOCK).reshape(-1)[:numel]
+    out = torch.empty_like(codes, dtype=_codecs.SCALE_DTYPE)
     _storage_flat(out).copy_(per_element)
     return out
 
 
-def block_codes(codes: Tensor, exponents: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
-    """The codes and float32 block scales that hold the values of ``codes`` under per-element
-    scale ``exponents`` (both dense, in the same layout; the result keeps it).
+def _relative_values(signed: bool) -> Tensor:
+    """decode_state of every code under the unit scale of each form: (2 forms, 256 codes)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    unit = torch.tensor([1.0], dtype=_codecs.SCALE_DTYPE)
+    wide = (unit.view(torch.int16) | -0x8000).view(_codecs.SCALE_DTYPE)  # the sign bit: the wide form
+    return torch.stack([_codecs.decode(codes, scale, signed) for scale in (unit, wide)])
 
-    A block of 256 (in storage order) whose elements share one exponent keeps its codes as they
-    are. The others take values decoded element by element, encoded again with their own block
-    scale: exact for every value within the block's top 15 (signed) / 31 (unsigned) binades
-    (a decoded value already has the code's 3 mantissa bits), and the codec's flush below them
-    (signed: 0, unsigned: the smallest code), as any encode does.
+
+def _element_values(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    """decode_state with a scale per element (``scales`` laid out like ``codes``): each code's
+    value under its form times its scale, the product the kernels round."""
+    flat_scales = _storage_flat(scales)
+    wide = (flat_scales.view(torch.int16) < 0).long()
+    relative = _relative_values(signed).to(codes.device)[wide, _storage_flat(codes).long()]
+    values = torch.empty_like(codes, dtype=torch.float32)
+    _storage_flat(values).copy_(relative * flat_scales.abs().float())
+    return values
+
+
+def block_codes(codes: Tensor, scales: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """The codes and bfloat16 block scales that hold the values of ``codes`` under per-element
+    ``scales`` (both dense, in the same layout; the result keeps it): bfloat16 block scales, or
+    the uint8 exponents of earlier builds' power-of-two scales.
+
+    A block of 256 (in storage order) whose elements share one bfloat16 scale keeps its codes as
+    they are. The others take values decoded element by element, encoded again in their own
+    block (rounded to nearest).
     """
     numel = codes.numel()
     if numel == 0:
-        return codes, torch.zeros(0, dtype=torch.float32, device=codes.device)
+        return codes, torch.zeros(0, dtype=_codecs.SCALE_DTYPE, device=codes.device)
+    if scales.dtype == torch.uint8:  # earlier builds: every block encoded again
+        values = _codecs.decode_earlier(codes, (scales.to(torch.int32) << 23).view(torch.float32), signed)
+        new_codes, new_scales = _codecs.encode(values, signed)
+        return _like(new_codes, codes), new_scales
     blocks = _blocks(numel)
-    flat = _storage_flat(exponents)
+    flat = _storage_flat(scales).view(torch.int16)
     padding = blocks * _codecs.CODEC_BLOCK - numel
     if padding:  # the last block's tail repeats its last element, which leaves it as uniform
         flat = torch.cat([flat, flat[-1:].expand(padding)])
     by_block = flat.view(blocks, _codecs.CODEC_BLOCK)
-    first = by_block[:, 0]
+    first = by_block[:, 0].clone(memory_format=torch.contiguous_format)
     uniform = (by_block == first[:, None]).all(dim=1)
-    scales = exponent_scales(first)
+    block_scales = first.view(_codecs.SCALE_DTYPE)
     if bool(uniform.all()):
-        return codes, scales
-    # value = relative code value * own scale (the decode of a block: one multiply by its power of
-    # two), except non-finite codes, which a zero scale must not turn into NaN.
-    ones = torch.ones(blocks, dtype=torch.float32, device=codes.device)
-    relative = _like(_codecs.decode(codes, ones, signed), codes)
-    values = torch.where(relative.isfinite(), relative * exponent_scales(exponents), relative)
+        return codes, block_scales
+    values = _element_values(codes, scales, signed)
     new_codes, new_scales = _codecs.encode(_like(values, codes), signed)
     new_codes = _like(new_codes, codes)
     keep = uniform[:, None].expand(-1, _codecs.CODEC_BLOCK).reshape(-1)[:numel]
     flat_codes = _storage_flat(new_codes)
     flat_codes.copy_(torch.where(keep, _storage_flat(codes), flat_codes))
-    return new_codes, torch.where(uniform, scales, new_scales)
+    return new_codes, torch.where(uniform, block_scales, new_scales)
 
 
 def _is_per_element(key: str) -> bool:
@@ -122,8 +131,8 @@ def _is_per_element(key: str) -> bool:
 
 def dtensor_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[str, Any]:
     """The DTensor form of the state entries ``saved`` of DTensor ``param``, made from its local
-    ones (plain tensors shaped like the local shard; block scales become element exponents).
-    The DTensors share memory with the local tensors (scale exponents and remainders excepted),
+    ones (plain tensors shaped like the local shard; block scales become element scales).
+    The DTensors share memory with the local tensors (element scales and remainders excepted),
     on their device: the CPU for FSDP2's CPU-offloaded params, whose mesh is a CUDA one."""
     local_param = param.to_local()
     entries: dict[str, Any] = {}
@@ -135,7 +144,7 @@ def dtensor_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[st
             codes = saved.get(key.removesuffix(_codecs.SCALES_SUFFIX))
             if codes is None:
                 raise ValueError(f"{where}: state {key!r} without its codes")
-            value = element_exponents(codes, value)
+            value = element_scales(codes, value)
         elif key == REMAINDER_KEY:  # gloo and NCCL have no int16 collectives (full state dicts)
             value = value.to(torch.int32)
         if value.shape != local_param.shape or not is_dense(value):
@@ -154,8 +163,8 @@ def _placement_text(tensor: Tensor) -> str:
 def local_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[str, Any]:
     """The local form of the state entries ``saved`` of ``param``: the entries of a DTensor param
     as DTensors of its mesh, placements and shape (this rank's shard taken), those of a plain
-    param as plain tensors (a replicated DTensor's local copy taken); per-element scale exponents
-    made into block codes and scales in the layout the param's state is stepped in.
+    param as plain tensors (a replicated DTensor's local copy taken); per-element scales made into
+    block codes and scales in the layout the param's state is stepped in.
 
     Raises ValueError, saying what to do, for anything else: in particular a plain tensor for a
     DTensor param, the rank-local form that cannot tell one rank's shard from another's.
@@ -182,23 +191,35 @@ def local_entries(saved: dict[str, Any], param: Tensor, where: str) -> dict[str,
         else:
             entries[key] = value
     for key in [key for key in entries if key.endswith(_codecs.SCALES_SUFFIX)]:
-        exponents = entries[key]
-        if exponents.dtype != torch.uint8:  # float32 block scales: the local form of a plain param
-            continue
+        scales = entries[key]
         base = key.removesuffix(_codecs.SCALES_SUFFIX)
         codes = entries.get(base)
-        if codes is None or codes.dtype != torch.uint8 or codes.shape != exponents.shape:
+        # Block scales (the local form of a plain param) are 1-D, one per block: shaped like the
+        # codes only when there is one element, where both forms are the same.
+        per_element = scales.dtype == torch.uint8 or (codes is not None and scales.shape == codes.shape)
+        if not per_element:
+            continue
+        if codes is None or codes.dtype != torch.uint8 or codes.shape != scales.shape:
             raise ValueError(
-                f"{where}: state {key!r} holds per-element scale exponents of shape "
-                f"{tuple(exponents.shape)} without uint8 codes of that shape under {base!r}"
+                f"{where}: state {key!r} holds per-element scales of shape {tuple(scales.shape)} "
+                f"without uint8 codes of that shape under {base!r}"
             )
-        if bool((exponents == 255).any()):
-            raise ValueError(f"{where}: state {key!r} holds the exponent 255, which no block scale has")
+        if scales.dtype == torch.uint8:
+            if bool((scales == 255).any()):
+                raise ValueError(f"{where}: state {key!r} holds the exponent 255, which no block scale has")
+            warnings.warn(
+                f"{where}: state {base!r} holds the 8-bit codes of an earlier fusedamp build (per-element "
+                "scale exponents); converted to the current codes (decoded exactly, encoded again to "
+                "nearest). Save the checkpoint again to keep it in the current format.",
+                stacklevel=3,
+            )
+        elif scales.dtype != _codecs.SCALE_DTYPE:
+            raise ValueError(
+                f"{where}: state {key!r} holds per-element scales of dtype {scales.dtype}; expected bfloat16"
+            )
         reference = local_param if is_dense(local_param) and local_param.shape == codes.shape else None
         codes = _like(codes, reference)
-        entries[base], entries[key] = block_codes(
-            codes, _like(exponents, codes), base in _codecs.SIGNED_STATES
-        )
+        entries[base], entries[key] = block_codes(codes, _like(scales, codes), base in _codecs.SIGNED_STATES)
     return entries
 
 

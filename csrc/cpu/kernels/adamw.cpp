@@ -54,14 +54,17 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   void* const m_state = lists[kAdamWExpAvg][tensor];
   void* const v_state = lists[kAdamWExpAvgSq][tensor];
   void* const v_max_state = lists[kAdamWMaxExpAvgSq][tensor];
-  // The moments round with one draw per element ([note: shared state draws]).
-  const uint32_t moments_key = keys.key(RoundingStream::kState0);
-  StagedState<C, true, DrawShare::kLow> exp_avg(m_state, static_cast<float*>(lists[kAdamWExpAvgScale][tensor]),
-                                                moments_key);
-  StagedState<C, false, DrawShare::kHigh> exp_avg_sq(
-      v_state, static_cast<float*>(lists[kAdamWExpAvgSqScale][tensor]), moments_key);
-  StagedState<C, false> max_exp_avg_sq(v_max_state, static_cast<float*>(lists[kAdamWMaxExpAvgSqScale][tensor]),
-                                       keys.key(RoundingStream::kState1));
+  // The moments round with one dithered draw per element ([note: shared state draws],
+  // [note: dithered draws]).
+  const uint32_t moments_key = keys.dither_key(RoundingStream::kState0);
+  const uint32_t rotation = keys.rotation();
+  StagedState<C, true, DrawShare::kLow, true> exp_avg(
+      m_state, static_cast<uint16_t*>(lists[kAdamWExpAvgScale][tensor]), moments_key, rotation);
+  StagedState<C, false, DrawShare::kHigh, true> exp_avg_sq(
+      v_state, static_cast<uint16_t*>(lists[kAdamWExpAvgSqScale][tensor]), moments_key, rotation);
+  StagedState<C, false, DrawShare::kWhole, true> max_exp_avg_sq(
+      v_max_state, static_cast<uint16_t*>(lists[kAdamWMaxExpAvgSqScale][tensor]),
+      keys.dither_key(RoundingStream::kState1), rotation);
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
   alignas(64) uint32_t draw_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
@@ -73,7 +76,7 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
     auto m = exp_avg.begin_block(block, n);
     auto v = exp_avg_sq.begin_block(block, n);
     // An absent state's block stays empty: its pointers are not the state's (nor its scales).
-    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block, n) : StateBlock<C, false>{};
+    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block, n) : StateBlock<C, false, DrawShare::kWhole, true>{};
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
       const int64_t offset = first - block;
       const StagedGroup x = param.stage(first, group, value_tile, grad_tile);

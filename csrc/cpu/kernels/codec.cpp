@@ -29,12 +29,12 @@ void encode_chunk(const EncodeStateCall& call, int64_t first_block, int64_t end_
 
 void decode_chunk(const DecodeStateCall& call, int64_t first_block, int64_t end_block) {
   for_blocks(call, first_block, end_block, [&](int64_t b, int64_t begin, int64_t n) {
-    const float scale = call.scales[b];
+    const uint16_t scale = call.scales[b];
     if (call.is_signed) {
-      decode_state_tile<true>(call.codes + begin, scale, block_decode_of<true>(call.codes + begin, scale, n), n,
+      decode_state_tile<true>(call.codes + begin, block_decode_of<true>(call.codes + begin, scale, n), n,
                               call.values + begin);
     } else {
-      decode_state_tile<false>(call.codes + begin, scale, block_decode_of<false>(call.codes + begin, scale, n), n,
+      decode_state_tile<false>(call.codes + begin, block_decode_of<false>(call.codes + begin, scale, n), n,
                                call.values + begin);
     }
   });

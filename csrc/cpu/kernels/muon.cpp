@@ -41,7 +41,7 @@ void muon_block_range(const MuonCall& call, int64_t tensor, const MuonCoefficien
   const ChunkKeys keys = chunk_keys(call, tensor, begin);
   const StagedParam<U, G, MasterKind::kNone> update = staged_param<U, G, MasterKind::kNone>(call, tensor, keys);
   void* const buffer = lists[kMuonMomentumBuffer][tensor];
-  float* const scales = static_cast<float*>(lists[kMuonMomentumBufferScale][tensor]);
+  uint16_t* const scales = static_cast<uint16_t*>(lists[kMuonMomentumBufferScale][tensor]);
   // The buffer rounds with dithered draws ([note: dithered draws]).
   StagedState<C, true, DrawShare::kWhole, true> momentum(buffer, scales, keys.dither_key(RoundingStream::kState0),
                                                          keys.rotation());

@@ -70,10 +70,11 @@ FUSEDAMP_HOST_DEVICE uint32_t chunk_rounding_key(uint64_t seed, const void* roun
 // to every phase. A draw is still uniform over the phases, so each rounding stays unbiased, but an
 // element's draws now spread evenly over the steps (the golden ratio's multiples are the most
 // evenly spread), so the rounding errors of a slowly changing value cancel over a few steps
-// instead of adding up as a random walk. Muon's momentum buffer takes them: its step
-// orthogonalizes the buffer, and the noise that adds up in a slow buffer (momentum 0.99) with
-// independent draws took a few percent off that step; AdamW's and SGD's steps are elementwise and
-// average it out over the steps.
+// instead of adding up as a random walk. Every coded state takes them: a param sums its updates,
+// so moments whose roundings cancel over the steps leave it closer to the fp32 run than
+// independent draws do, and Muon's step orthogonalizes its buffer, where the noise that adds up in
+// a slow buffer (momentum 0.99) with independent draws took a few percent off the step. The codes'
+// grid must hold still for this ([note: steady scales] in math/codec.h).
 FUSEDAMP_HOST_DEVICE uint32_t chunk_dither_key(uint64_t seed, const void* rounding_id, int64_t begin,
                                                RoundingStream stream) {
   return rounding_key(stream_seed(seed, stream), rounding_id_of(rounding_id), 0, uint64_t(begin) >> 32);
