@@ -1,12 +1,14 @@
 """The coded optimizer modes ([note: state codecs]): bf16 / 8-bit moments and stochastically rounded
 params in FusedAdamW and FusedSGD. Bitwise agreement across CPU ISA builds and thread counts, the
 AMP guarantees (a found_inf step changes nothing, inv_scale and clipping inside the step, NaN
-grads without a scaler propagate), resumes, state dicts (native, torch's, export), errors."""
+grads without a scaler propagate), resumes, state dicts (native, torch's, export, earlier
+builds' checkpoints), errors."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import pathlib
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from conftest import SUPPORTED_CPU_ISAS, needs_cuda
 import fusedamp
 import fusedamp.ops as ops
 from fusedamp import _C
+from fusedamp.optim import _codecs, _dtensor_state
 
 SIZES = [1, 255, 257, 4097, 70001]  # partial blocks; 70001 spans three CPU chunks (threads)
 MODES = [  # (param dtype, master_weights, moments)
@@ -216,9 +219,14 @@ def test_torch_state_dicts_load_quantized_and_export_back(optimizer, moments) ->
     state = opt.state[params[3]]
     assert state[key].dtype == (torch.uint8 if moments == "int8" else torch.bfloat16)
     exported = opt.torch_state_dict()
-    torch.testing.assert_close(
-        exported["state"][3][key], torch_opt.state[torch_params[3]][key], rtol=7e-2, atol=1e-9
-    )
+    expected = torch_opt.state[torch_params[3]][key]
+    if moments == "int8":  # the codec's nearest codes (tests/test_codec.py checks those)
+        signed = key != "exp_avg_sq"
+        nearest = ops.decode_state(*ops.encode_state(expected, signed), signed)
+        torch.testing.assert_close(exported["state"][3][key], nearest)
+        assert (exported["state"][3][key] - expected).norm() < 0.02 * expected.norm()
+    else:
+        torch.testing.assert_close(exported["state"][3][key], expected, rtol=2**-8, atol=0)
     # torch takes the export, and loading it back gives the identical codes.
     torch_cls([p.detach().clone() for p in params], **kwargs).load_state_dict(exported)
     again = fused_cls([p.detach().clone().requires_grad_() for p in params], moments=moments, **kwargs)
@@ -233,7 +241,7 @@ def test_state_bytes_measure_the_state_tensors() -> None:
     opt = fusedamp.FusedAdamW(params, master_weights="remainder", moments="int8")
     params[0].grad = torch.ones_like(params[0])
     opt.step()
-    assert opt.state_bytes() == {"masters": 2000, "moments": 2000, "scales": 2 * 4 * 4, "other": 4}
+    assert opt.state_bytes() == {"masters": 2000, "moments": 2000, "scales": 2 * 4 * 2, "other": 4}
 
 
 def test_stochastic_rounding_depends_on_the_seed_only_through_its_bits() -> None:
@@ -274,8 +282,15 @@ def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
             [],
             [],
             [step],
-            exp_avg_scales=[torch.zeros(1)],
-            exp_avg_sq_scales=[torch.zeros(2)],
+            exp_avg_scales=[torch.zeros(1, dtype=torch.bfloat16)],
+            exp_avg_sq_scales=[torch.zeros(2, dtype=torch.bfloat16)],
+            **common,
+        )
+    with pytest.raises(TypeError, match="exp_avg_scales\\[0\\] is Float, expected bfloat16"):
+        ops.adamw_(
+            [param], [grad], [codes[0]], [codes[1]], [], [], [step],
+            exp_avg_scales=[torch.zeros(2)],
+            exp_avg_sq_scales=[torch.zeros(2, dtype=torch.bfloat16)],
             **common,
         )
     with pytest.raises(RuntimeError, match="exp_avg_scales has 0 tensors"):
@@ -334,3 +349,47 @@ def test_cuda_gives_the_cpu_bits(optimizer, dtype, master_weights, moments) -> N
             param.grad = cpu_param.grad.cuda()
         opt.step()
     assert_bitwise(snapshot(cpu_params, cpu_opt), [t.cpu() for t in snapshot(params, opt)])
+
+
+EARLIER_BUILD_CHECKPOINT = pathlib.Path(__file__).parent / "data" / "int8_state_earlier_build.pt"
+
+
+def test_checkpoints_of_the_earlier_8_bit_format_load_converted_with_a_warning() -> None:
+    """State saved by builds whose codes had 3 mantissa bits under float32 power-of-two scales
+    (FusedAdamW with amsgrad and FusedSGD, int8 moments; with each its float32 export from that
+    build): the codes decode exactly to that export, are encoded again to nearest, and a warning
+    says so; the optimizer steps on."""
+    saved = torch.load(EARLIER_BUILD_CHECKPOINT, weights_only=True)
+    cases = [
+        ("adamw", "params", lambda ps: fusedamp.FusedAdamW(ps, moments="int8", amsgrad=True)),
+        ("sgd", "sgd_params", lambda ps: fusedamp.FusedSGD(ps, lr=1e-2, momentum=0.9, moments="int8")),
+    ]
+    for name, params_key, make in cases:
+        params = [p.clone().requires_grad_() for p in saved[params_key]]
+        opt = make(params)
+        earlier_state = saved[f"{name}_state_dict"]["state"]
+        with pytest.warns(UserWarning, match="earlier fusedamp build"):
+            opt.load_state_dict(saved[f"{name}_state_dict"])
+        exported = opt.torch_state_dict()["state"]
+        for index, earlier_export in saved[f"{name}_torch_state_dict"]["state"].items():
+            for key, values in earlier_export.items():
+                if key == "step":
+                    assert torch.equal(exported[index][key], values)
+                    continue
+                signed = key in _codecs.SIGNED_STATES
+                codes, scales = earlier_state[index][key], earlier_state[index][key + "_scales"]
+                assert torch.equal(_codecs.decode_earlier(codes, scales, signed), values)
+                assert opt.state[params[index]][key + "_scales"].dtype == torch.bfloat16
+                nearest = ops.decode_state(*ops.encode_state(values, signed), signed)
+                assert torch.equal(exported[index][key], nearest), (name, index, key)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in params)
+    # The DTensor form of that build: per-element uint8 scale exponents beside the codes.
+    codes = saved["adamw_state_dict"]["state"][0]["exp_avg"]
+    values = saved["adamw_torch_state_dict"]["state"][0]["exp_avg"]
+    new_codes, new_scales = _dtensor_state.block_codes(codes, saved["exp_avg_element_exponents"], signed=True)
+    assert new_scales.dtype == torch.bfloat16
+    nearest = ops.decode_state(*ops.encode_state(values, True), True)
+    assert torch.equal(ops.decode_state(new_codes, new_scales, True), nearest)
