@@ -332,8 +332,8 @@ def gemm_backend() -> str:
 def set_gemm_backend(name: str) -> str:
     """Choose the CUDA gemm code, process-wide; returns the previous choice.
 
-    ``reference`` (default: the kernels have not yet been validated on a GPU) upcasts and uses
-    ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
+    ``reference`` (default: on an H200 both kernel families ran slower than cuBLAS) upcasts and
+    uses ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
     ``wgmma`` force a kernel family. Operands a kernel cannot take (a leading dimension that is
     not a multiple of 8, a misaligned pointer, K == 0; for wgmma also N not a multiple of 8 or a
     float32 output) fall back to ``reference`` (``auto``: wgmma falls back to mma.sync first).
