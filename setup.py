@@ -36,6 +36,15 @@ except ImportError:
         "build fusedamp with `pip install --no-build-isolation .` so the build sees that torch."
     )
 
+# The oldest torch the tests ran on (tools/check_oldest_torch.sh); pyproject.toml and the docs say
+# the same (tests/test_build.py). fusedamp imports torch.distributed.tensor, public from 2.5.
+MIN_TORCH = (2, 5)
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < MIN_TORCH:
+    sys.exit(
+        f"fusedamp: torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, the oldest "
+        "torch fusedamp builds and runs with; install a newer torch first."
+    )
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -175,3 +176,17 @@ def test_cuda_tensors_in_a_build_without_cuda_kernels_get_the_cause_and_the_fix(
     with pytest.raises(RuntimeError, match=r"unscale_ got CUDA tensors, but this fusedamp was built without "
                        r"its CUDA kernels \(the build said: CUDA kernels off .*FUSEDAMP_CUDA=1 pip install"):
         torch.ops.fusedamp.unscale_.default.redispatch(cuda, [torch.ones(3)], torch.zeros(()), torch.ones(()))
+
+
+def test_the_oldest_torch_is_the_same_in_the_build_the_package_and_the_docs() -> None:
+    """setup.py's MIN_TORCH (what the build checks and tools/check_oldest_torch.sh tests) is what
+    pyproject.toml requires and what README.md and docs/install.md promise."""
+    found = re.search(r"^MIN_TORCH = \((\d+), (\d+)\)$", (ROOT / "setup.py").read_text(), re.MULTILINE)
+    assert found, "setup.py declares MIN_TORCH = (major, minor)"
+    oldest = f"{found.group(1)}.{found.group(2)}"
+    assert f'dependencies = ["torch>={oldest}"]' in (ROOT / "pyproject.toml").read_text()
+    for doc in ("README.md", "docs/install.md"):
+        text = " ".join((ROOT / doc).read_text().split())  # prose wraps anywhere
+        assert f"torch {oldest} or newer" in text, doc
+        assert not re.search(r"torch \d+\.\d+ or newer", text.replace(f"torch {oldest} or newer", "")), doc
+    assert f'TORCH="${{OLDEST_TORCH:-{oldest}.' in (ROOT / "tools" / "check_oldest_torch.sh").read_text()
