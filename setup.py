@@ -4,7 +4,9 @@
 
 Environment:
 - FUSEDAMP_CUDA=0|1 forces the CUDA kernels off/on; by default they are built when nvcc and a
-  CUDA build of torch are present and a GPU is visible or TORCH_CUDA_ARCH_LIST is set.
+  CUDA build of torch are present and a GPU is visible or TORCH_CUDA_ARCH_LIST is set. A build
+  that sees a GPU but cannot build them (no nvcc) stops with the way out instead of building a
+  CPU-only fusedamp; FUSEDAMP_CUDA=0 builds one on purpose.
 - TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: the visible GPUs', else 8.0;9.0a;
   9.0a is added wherever 9.0 is targeted, see fusedamp/_cuda_archs.py).
 - FUSEDAMP_CPU_ISAS=native|all: the CPU kernels for the host's best ISA alone (native, the
@@ -32,6 +34,15 @@ except ImportError:
     sys.exit(
         "fusedamp: PyTorch is not installed. Install it first (e.g. `pip install torch`), then "
         "build fusedamp with `pip install --no-build-isolation .` so the build sees that torch."
+    )
+
+# The oldest torch the tests ran on (tools/check_oldest_torch.sh); pyproject.toml and the docs say
+# the same (tests/test_build.py). fusedamp imports torch.distributed.tensor, public from 2.5.
+MIN_TORCH = (2, 5)
+if tuple(int(part) for part in torch.__version__.split(".")[:2]) < MIN_TORCH:
+    sys.exit(
+        f"fusedamp: torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}, the oldest "
+        "torch fusedamp builds and runs with; install a newer torch first."
     )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -74,19 +85,30 @@ def want_cuda(cuda_home: str | None) -> tuple[bool, str]:
         sys.exit(f"fusedamp: FUSEDAMP_CUDA must be 0 or 1, got {forced!r}")
     if forced == "0":
         return False, "off (FUSEDAMP_CUDA=0)"
-    available = cuda_home is not None and torch.version.cuda is not None
-    if forced == "1" and not available:
+    if torch.version.cuda is None:
+        missing = f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch"
+    elif cuda_home is None:
+        missing = "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    else:
+        missing = None
+    if forced == "1" and missing:
+        sys.exit(f"fusedamp: FUSEDAMP_CUDA=1 but {missing}")
+    # pip shows a build's output only when it fails: a CPU-only build for a machine with a GPU
+    # would pass unnoticed until the first CUDA tensor met an op without a CUDA kernel.
+    gpu_visible = torch.version.cuda is not None and torch.cuda.is_available()
+    if missing and gpu_visible:
+        major = torch.version.cuda.split(".")[0]
         sys.exit(
-            "fusedamp: FUSEDAMP_CUDA=1 but "
-            + ("nvcc was not found (set CUDA_HOME or put nvcc on PATH)" if cuda_home is None
-               else f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch")
+            f"fusedamp: a GPU is visible but the CUDA kernels cannot be built: {missing}. Install the "
+            f"CUDA {major} toolkit (torch {torch.__version__} was built with CUDA {torch.version.cuda}) "
+            "and build again, or build the CPU kernels alone on purpose with FUSEDAMP_CUDA=0."
         )
-    if not available:
-        return False, "off (no nvcc or a CPU-only torch)"
+    if missing:
+        return False, f"off ({missing})"
     if forced == "1":
         return True, "on (FUSEDAMP_CUDA=1)"
     # Compiling them takes most of a build: a machine without a GPU skips them unless asked.
-    if torch.cuda.device_count() > 0:
+    if gpu_visible:
         return True, "on (a GPU is visible)"
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return True, "on (TORCH_CUDA_ARCH_LIST is set)"
@@ -164,6 +186,7 @@ with open(os.path.join(ROOT, "fusedamp", "_build_meta.py"), "w") as meta:
         f"TORCH_VERSION = {torch.__version__!r}\n"
         f"CUDA_COMPILED = {with_cuda!r}\n"
         f"CUDA_ARCHS = {cuda_archs!r}\n"
+        f"CUDA_REASON = {cuda_reason!r}\n"
         f"CPU_ISAS = {CPU_ISAS!r}\n"
     )
 

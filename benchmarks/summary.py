@@ -7,6 +7,8 @@ show, rendered from the JSON so that every figure there comes from a committed r
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table bound  # L2 vs memory
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table offload --threads 1
     python -m benchmarks.summary benchmarks/results/cpu-avx512.json --table offload-bound
+    python -m benchmarks.summary benchmarks/results/cuda-h200.json --table gpu-status
+    python -m benchmarks.summary --update README.md docs/performance.md   # every marked block
 
 ``steps``: one fusedamp step per row at the given thread count, its median time, and for each
 peer the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in brackets, the
@@ -14,15 +16,27 @@ peer the peer's time over fusedamp's (above 1x: fusedamp is faster) with, in bra
 step over tiny params, fusedamp's over torch's (below 1x: fusedamp is faster). ``bound``: an
 AdamW step's time per element with its data in L2 and from memory. ``offload``: the CPU step of a
 GPT-2's params (bench_offload) by each implementation, with its host bytes per param and
-fusedamp's ratios; ``offload-bound``: what bounds those steps.
+fusedamp's ratios; ``offload-bound``: what bounds those steps. ``gpu-status``: a paragraph on
+what ran on a GPU (a GPU results file's "tests").
+
+A table whose run predates a change to the code it measures (:data:`MEASURES`, asked of git) gets
+:data:`STALE_NOTE` under it. A results file records the commit it ran at (``environment.commit``);
+one that joins two runs gives a module (``modules[i].commit``) or the demo (``demo.commit``) its own.
+tests/test_docs.py checks every marked block, table and note, against what this renders.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Peers by their key in a row's "speedup", with the name the table gives them.
 TORCH_FUSED = ("torch fused", "`AdamW(fused=True)`")
@@ -312,9 +326,10 @@ def render(
     results: dict[str, Any], kind: str = "steps", threads: int | None = None, short: bool = False
 ) -> list[str]:
     """The table ``kind`` (steps, host, bound, offload, offload-bound, muon; on a GPU: gpu-steps,
-    gpu-bandwidth, gemm, offload-loop, demo) of ``results``."""
+    gpu-bandwidth, gemm, offload-loop, demo, and gpu-status, a paragraph) of ``results``."""
     gpu_tables = {"gpu-steps": lambda results: table(results, gpu=True), "gpu-bandwidth": gpu_bandwidth_table,
-                  "gemm": gemm_table, "offload-loop": offload_loop_table, "demo": demo_table}
+                  "gemm": gemm_table, "offload-loop": offload_loop_table, "demo": demo_table,
+                  "gpu-status": gpu_status}
     if kind in gpu_tables:
         return gpu_tables[kind](results)
     if kind == "host":
@@ -330,6 +345,150 @@ def render(
     return table(results, threads or 2, short)
 
 
+# --- What the GPU run covered, and figures older than their code --------------------------------
+
+# The library sources whose changes can move a table's figures (git pathspecs from the repository's
+# root): the kernels of its device and the Python around them, and setup.py's compile flags.
+_NOT_GEMM = (":(exclude)csrc/cuda/gemm", ":(exclude)csrc/ops/gemm.*", ":(exclude)csrc/include/fusedamp/gemm")
+_STEP_PYTHON = ("setup.py", "fusedamp/optim", "fusedamp/grad_scaler.py", "fusedamp/ops.py")
+CPU_STEP_SOURCES = ("csrc", ":(exclude)csrc/cuda", ":(exclude)*.md", *_NOT_GEMM, *_STEP_PYTHON)
+CUDA_STEP_SOURCES = ("csrc", ":(exclude)csrc/cpu", ":(exclude)*.md", *_NOT_GEMM, *_STEP_PYTHON)
+OFFLOAD_LOOP_SOURCES = ("csrc", ":(exclude)*.md", *_NOT_GEMM, *_STEP_PYTHON)
+GEMM_SOURCES = ("setup.py", "csrc/cuda/gemm", "csrc/ops/gemm.*", "csrc/include/fusedamp/gemm",
+                "fusedamp/ops.py", "fusedamp/nn")
+DEMO_SOURCES = (*OFFLOAD_LOOP_SOURCES, "fusedamp")
+# table kind: (the modules whose rows it shows, or "demo"; its sources on a CPU, on a GPU)
+MEASURES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "steps": (("bench_optim", "bench_unscale"), CPU_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "host": (("bench_host",), CPU_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "bound": (("bench_bound",), CPU_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "offload": (("bench_offload",), CPU_STEP_SOURCES, CPU_STEP_SOURCES),
+    "offload-bound": (("bench_offload",), CPU_STEP_SOURCES, CPU_STEP_SOURCES),
+    "muon": (("bench_muon",), CPU_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "gpu-steps": (("bench_optim",), CUDA_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "gpu-bandwidth": (("bench_unscale",), CUDA_STEP_SOURCES, CUDA_STEP_SOURCES),
+    "gemm": (("bench_gemm",), GEMM_SOURCES, GEMM_SOURCES),
+    "offload-loop": (("bench_offload_loop",), OFFLOAD_LOOP_SOURCES, OFFLOAD_LOOP_SOURCES),
+    "demo": (("demo",), DEMO_SOURCES, DEMO_SOURCES),
+}
+STALE_NOTE = "*Measured before the latest changes to the code these figures measure: they may differ now.*"
+
+
+def changed_since(commit: str, sources: Sequence[str], root: Path = ROOT) -> bool | None:
+    """Whether any of ``sources`` changed after ``commit``: in a commit since (on the way to HEAD)
+    or in the work tree. None when git cannot tell: no git, not a checkout, a commit it lacks (a
+    shallow clone). A commit recorded as ``-dirty`` counts as the commit itself."""
+    commands = (["log", "--format=%h", f"{commit.removesuffix('-dirty')}..HEAD"], ["status", "--porcelain"])
+    found = []
+    for command in commands:
+        try:
+            done = subprocess.run(["git", *command, "--", *sources], cwd=root, capture_output=True, text=True,
+                                  timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0:
+            return None
+        found.append(done.stdout.strip())
+    return any(found)
+
+
+def _commit_of(results: dict[str, Any], module: str) -> str:
+    """The commit a module's rows were measured at: its own where a results file joins two runs."""
+    if module == "demo":
+        own = results["demo"].get("commit")
+    else:
+        own = next((m.get("commit") for m in results.get("modules", []) if m["module"] == module), None)
+    return own or results["environment"]["commit"]
+
+
+def note(results: dict[str, Any], kind: str = "steps", root: Path = ROOT) -> str | None:
+    """The line under the table ``kind`` of ``results``: :data:`STALE_NOTE` when the code it measures
+    changed after its run, "" when not, None when git cannot tell. For gpu-status: what changed since
+    the GPU run without running on a GPU again."""
+    if kind == "gpu-status":
+        return _gpu_status_note(results, root)
+    modules, cpu_sources, gpu_sources = MEASURES[kind]
+    sources = gpu_sources if results["platform"].startswith("cuda") else cpu_sources
+    changed = [changed_since(_commit_of(results, module), sources, root) for module in modules]
+    if None in changed:
+        return None
+    return STALE_NOTE if any(changed) else ""
+
+
+def _passed(counts: dict[str, Any]) -> int:
+    return counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+
+
+def gpu_status(results: dict[str, Any]) -> list[str]:
+    """One paragraph: on which GPU the CUDA kernels ran, the code of which arch, at which commits, and
+    what the tests and compute-sanitizer found (a GPU results file's "tests")."""
+    environment, tests = results["environment"], results["tests"]
+    archs = environment["build_info"]["cuda_archs"]
+    ran = next(arch for arch in archs if arch.rstrip("a") == environment["capability"])
+    cuda, gemm, sanitizer = tests["cuda_tests"], tests["gemm_tests"], tests["sanitizer"]
+    text = (
+        f"The CUDA kernels have run on one GPU, an {environment['processor']}: its sm_{ran.replace('.', '')} "
+        f"code, built for `{';'.join(archs)}`, with torch {environment['torch']}. At {cuda['commit']}, "
+        f"{_passed(cuda)} of {cuda['tests']} CUDA tests passed ({cuda['note']}); at {gemm['commit']}, "
+        f"{_passed(gemm)} of {gemm['tests']} GEMM tests passed ({gemm['note']}); at {sanitizer['commit']}, "
+        f"compute-sanitizer's memcheck and initcheck found {sanitizer['errors']} errors in "
+        f"{sanitizer['subset']}. No other GPU, and no code built for another arch, has run."
+    )
+    return textwrap.wrap(text, width=100, break_long_words=False, break_on_hyphens=False)
+
+
+def _gpu_status_note(results: dict[str, Any], root: Path) -> str | None:
+    tests = results["tests"]
+    families = [
+        ("the AMP and optimizer kernels", CUDA_STEP_SOURCES, tests["cuda_tests"]["commit"]),
+        ("the GEMM kernels", GEMM_SOURCES, tests["gemm_tests"]["commit"]),
+    ]
+    changed = {name: changed_since(commit, sources, root) for name, sources, commit in families}
+    if None in changed.values():
+        return None
+    names = [name for name, was_changed in changed.items() if was_changed]
+    if not names:
+        return ""
+    changed = " and of ".join(names)
+    return f"*Changed since those runs, and not run on a GPU since: the sources or build of {changed}.*"
+
+
+NOTE_PREFIXES = (STALE_NOTE, "*Changed since those runs")
+MARKER = re.compile(r"^<!-- python -m benchmarks\.summary (\S+)(.*) -->$")
+
+
+def updated_lines(lines: list[str], root: Path = ROOT) -> list[str]:
+    """``lines`` (a Markdown file's) with every block under a marker line rendered again from its
+    results file: the table or paragraph (up to the next blank line) and its note (a blank line
+    and :func:`note`'s line, where not empty). Where git cannot tell, a note stays as it was."""
+    out: list[str] = []
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        out.append(line)
+        index += 1
+        found = MARKER.match(line)
+        if not found:
+            continue
+        options = found.group(2).split()
+        kind = options[options.index("--table") + 1] if "--table" in options else "steps"
+        threads = int(options[options.index("--threads") + 1]) if "--threads" in options else None
+        results = json.loads((root / found.group(1)).read_text())
+        out.extend(render(results, kind, threads, "--short" in options))
+        while index < len(lines) and lines[index].strip():
+            index += 1
+        old_note = None
+        if index + 1 < len(lines) and not lines[index].strip() and lines[index + 1].startswith(NOTE_PREFIXES):
+            old_note = lines[index + 1]
+            index += 2
+        new_note = note(results, kind, root)
+        if new_note is None:
+            new_note = old_note
+        if new_note:
+            out.extend(["", new_note])
+    return out
+
+
 def marker(path: str, kind: str = "steps", threads: int | None = None, short: bool = False) -> str:
     """The comment line above a rendered table: the command that renders it again (tests/test_docs.py
     checks every table under such a line against its JSON)."""
@@ -339,18 +498,33 @@ def marker(path: str, kind: str = "steps", threads: int | None = None, short: bo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="a benchmarks/results/<platform>.json")
+    parser.add_argument("results", nargs="?", help="a benchmarks/results/<platform>.json")
     tables = ("steps", "host", "bound", "offload", "offload-bound", "muon",
-              "gpu-steps", "gpu-bandwidth", "gemm", "offload-loop", "demo")
+              "gpu-steps", "gpu-bandwidth", "gemm", "offload-loop", "demo", "gpu-status")
     parser.add_argument("--table", choices=tables, default="steps")
     parser.add_argument(
         "--threads", type=int, default=None, help="default: 2 for steps, 1 for host and offload"
     )
     parser.add_argument("--short", action="store_true", help="README's rows only")
+    parser.add_argument("--update", nargs="+", type=Path, metavar="FILE.md",
+                        help="render every marked block of these files again, in place")
     args = parser.parse_args(argv)
+    if args.update:
+        for path in args.update:
+            text = path.read_text()
+            updated = "\n".join(updated_lines(text.splitlines())) + "\n"
+            if updated != text:
+                path.write_text(updated)
+                print(f"updated {path}")
+        return
+    if args.results is None:
+        parser.error("a results file, or --update FILE.md")
     results = json.loads(Path(args.results).read_text())
     print(marker(args.results, args.table, args.threads, args.short))
     print("\n".join(render(results, args.table, args.threads, args.short)))
+    found = note(results, args.table)
+    if found:
+        print(f"\n{found}")
 
 
 if __name__ == "__main__":

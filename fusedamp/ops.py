@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusedamp import _C  # noqa: F401  (importing the extension registers torch.ops.fusedamp)
+from fusedamp import _C  # importing the extension registers torch.ops.fusedamp
 from fusedamp._layout import has_kernel, is_dense, real_view
 
 __all__ = [
@@ -334,8 +334,8 @@ def gemm_backend() -> str:
 def set_gemm_backend(name: str) -> str:
     """Choose the CUDA gemm code, process-wide; returns the previous choice.
 
-    ``reference`` (default: the kernels have not yet been validated on a GPU) upcasts and uses
-    ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
+    ``reference`` (default: on an H200 both kernel families ran slower than cuBLAS) upcasts and
+    uses ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
     ``wgmma`` force a kernel family. Operands a kernel cannot take (a leading dimension that is
     not a multiple of 8, a misaligned pointer, K == 0; for wgmma also N not a multiple of 8 or a
     float32 output) fall back to ``reference`` (``auto``: wgmma falls back to mma.sync first).
@@ -417,3 +417,52 @@ def _gemm_backward(
 torch.library.register_autograd(
     "fusedamp::gemm", _gemm_backward, setup_context=_gemm_setup_context
 )
+
+
+# --- A build without the CUDA kernels ----------------------------------------------------------
+
+
+def _cuda_kernels_missing_error(op: str) -> RuntimeError:
+    """What a CUDA tensor meets at a fusedamp op in a build without the CUDA kernels: the cause
+    (the build's own words, from fusedamp/_build_meta.py) and the fix."""
+    from fusedamp import _build_meta
+
+    # A build made before setup.py recorded its reason has none to give.
+    reason = getattr(_build_meta, "CUDA_REASON", "not recorded by this build")
+    cuda = torch.version.cuda
+    toolkit = f"the CUDA {cuda.split('.')[0]} toolkit" if cuda else "a CUDA build of torch and its toolkit"
+    return RuntimeError(
+        f"fusedamp: {op} got CUDA tensors, but this fusedamp was built without its CUDA kernels "
+        f"(the build said: CUDA kernels {reason}). Rebuild it with them: with {toolkit} installed "
+        "(its nvcc on PATH, or CUDA_HOME set), run `FUSEDAMP_CUDA=1 pip install --no-build-isolation .` "
+        "in fusedamp's checkout; see Troubleshooting in docs/install.md"
+    )
+
+
+def _refuse_cuda_tensors(op: str) -> Callable[..., Any]:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        raise _cuda_kernels_missing_error(op)
+
+    return kernel
+
+
+def _register_cuda_refusals() -> torch.library.Library | None:
+    """In a build without the CUDA kernels, gives each fusedamp op that has no CUDA kernel one
+    that raises :func:`_cuda_kernels_missing_error`: the dispatcher's own error ("Could not run
+    'fusedamp::adamw_' with arguments from the 'CUDA' backend") names neither cause nor fix. The
+    library must stay referenced: dropping it removes the kernels."""
+    if _C.cuda_compiled:
+        return None
+    library = torch.library.Library("fusedamp", "IMPL")
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("fusedamp::"):
+            continue
+        if any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+               for key in ("CUDA", "CompositeImplicitAutograd", "CompositeExplicitAutograd")):
+            continue
+        op = name.removeprefix("fusedamp::")
+        library.impl(op, _refuse_cuda_tensors(op), "CUDA")
+    return library
+
+
+_CUDA_REFUSALS = _register_cuda_refusals()

@@ -1,18 +1,26 @@
 """The front door stays what it promises: README's two commands exist, every relative link in the
-docs resolves, every block marked runnable runs on CPU, every results table matches the results
-file it names, and benchmarks/results/ and README.md stay small."""
+docs resolves, every block marked runnable runs on CPU, every other documented call of fusedamp
+matches the real signature, every results table (and its note when its code changed since the
+run) and the GPU status match the results file they name, and benchmarks/results/ and README.md
+stay small."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import fusedamp
 from benchmarks import summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,26 +124,199 @@ def test_runnable_block_runs_on_cpu(where: str, code: str, tmp_path: Path) -> No
 
 
 def test_readme_has_one_performance_table() -> None:
-    markers = [line for _, line in prose_lines(README) if SUMMARY.match(line)]
+    markers = [line for _, line in prose_lines(README) if SUMMARY.match(line) and "gpu-status" not in line]
     assert len(markers) == 1, markers
+
+
+def test_readme_status_of_the_gpu_is_rendered_from_its_results() -> None:
+    """What ran on a GPU, at which commits, stated once from the GPU results file: not by hand."""
+    top = README.read_text().splitlines()[:20]
+    assert "<!-- python -m benchmarks.summary benchmarks/results/cuda-h200.json --table gpu-status -->" in top
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
 def test_results_tables_match_their_results_file(path: Path) -> None:
+    """Every block under a benchmarks.summary marker is what it renders from the results file now,
+    the note under it included: a table measured before a change to the code it measures says so
+    (where git can tell; see benchmarks/summary.py's MEASURES)."""
     lines = path.read_text().splitlines()
+    assert summary.updated_lines(lines) == lines, (
+        f"{path.name}: a results block differs from its file; render them again with: "
+        f"python -m benchmarks.summary --update {path.relative_to(ROOT)}"
+    )
+
+
+def _git(root: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                          capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def test_a_table_measured_before_its_code_changed_gets_the_note(tmp_path: Path) -> None:
+    """In a repository of its own: a change to a measured file after the run's commit (in the work
+    tree or committed) marks the table; other files do not; an unknown commit or no repository
+    leaves the note to the file (None)."""
+    repo, plain = tmp_path / "repo", tmp_path / "plain"
+    kernel, readme = repo / "csrc" / "cpu" / "kernel.cpp", repo / "csrc" / "README.md"
+    kernel.parent.mkdir(parents=True)
+    plain.mkdir()
+    kernel.write_text("1")
+    readme.write_text("1")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "measured")
+    commit = _git(repo, "rev-parse", "HEAD")
+    results: dict[str, Any] = {"platform": "cpu-x", "environment": {"commit": commit}}
+    assert summary.note(results, "steps", repo) == ""
+    readme.write_text("2")
+    _git(repo, "commit", "-q", "-am", "docs only")
+    assert summary.note(results, "steps", repo) == ""
+    kernel.write_text("2")
+    assert summary.note(results, "steps", repo) == summary.STALE_NOTE
+    _git(repo, "commit", "-q", "-am", "a kernel change")
+    assert summary.note(results, "steps", repo) == summary.STALE_NOTE
+    assert summary.note(results, "gemm", repo) == ""  # the GEMM's figures measure other files
+    assert summary.note(results, "steps", plain) is None
+    results["environment"]["commit"] = "0" * 40
+    assert summary.note(results, "steps", repo) is None
+
+
+# --- Documented calls against the real signatures ---------------------------------------------------
+
+CODE_SPAN = re.compile(r"`([^`]+)`")
+KEYWORD_ONLY = "__keyword_only__"
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of the python blocks not marked runnable (those run), with a signature's bare
+    ``*`` (keyword-only from here) turned into a keyword argument so that the text parses."""
+    lines = path.read_text().splitlines()
+    blocks = []
     for index, line in enumerate(lines):
-        found = SUMMARY.match(line)
-        if not found:
+        if line.strip() == "```python" and (index == 0 or lines[index - 1].strip() != RUNNABLE):
+            end = next(i for i in range(index + 1, len(lines)) if lines[i].strip().startswith("```"))
+            text = textwrap.dedent("\n".join(lines[index + 1 : end]))  # a block inside a list item
+            blocks.append((index + 2, re.sub(r"(?<=[(,])(\s*)\*(\s*),", rf"\1{KEYWORD_ONLY}=None,\2", text)))
+    return blocks
+
+
+def resolve(node: ast.expr) -> Any:
+    """The fusedamp object a call's function names (``fusedamp.x.y``, or a bare name that fusedamp
+    exports, as prose writes ``FusedAdamW(...)``), else None."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    names.append(node.id)
+    names.reverse()
+    if names[0] != "fusedamp":
+        if len(names) != 1 or names[0] not in fusedamp.__all__:
+            return None
+        names.insert(0, "fusedamp")
+    found: Any = fusedamp
+    for name in names[1:]:
+        found = getattr(found, name)  # an AttributeError is a documented name that does not exist
+    return found
+
+
+def signature_problems(call: ast.Call, statement: bool, in_block: bool = True) -> list[str]:
+    """What ``call`` gets wrong about the signature of the fusedamp callable it names. A statement
+    whose positional arguments are bare names and that gives a keyword a value is a signature as
+    documented (``fusedamp.autocast(device_type, dtype=None, *, fused_gemm=False)``; in a code span
+    of the prose, with a positional argument: ``FusedMuon(moments="int8")`` there is shorthand):
+    every parameter, in order, with its default and kind. Any other call must bind (``...`` stands
+    for arguments left out)."""
+    target = resolve(call.func)
+    if target is None:
+        return []
+    try:
+        signature = inspect.signature(target)
+    except ValueError:  # a pybind function: no signature to compare with
+        return []
+    label = ast.unparse(call.func)
+    positional = [arg for arg in call.args if not isinstance(arg, ast.Starred)]
+    keywords = [keyword for keyword in call.keywords if keyword.arg is not None]
+    documented = (statement and keywords and (in_block or positional)
+                  and all(isinstance(arg, ast.Name) for arg in positional))
+    if not documented:
+        if any(isinstance(arg, ast.Constant) and arg.value is Ellipsis for arg in positional):
+            positional = []
+        try:
+            signature.bind_partial(*positional, **{keyword.arg: None for keyword in keywords})
+        except TypeError as error:
+            return [f"{label}(...): {error}"]
+        return []
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    written = [(arg.id, inspect.Parameter.empty, kind) for arg in positional]
+    for keyword in keywords:
+        if keyword.arg == KEYWORD_ONLY:
+            kind = inspect.Parameter.KEYWORD_ONLY
             continue
-        options = found.group(2).split()
-        kind = options[options.index("--table") + 1] if "--table" in options else "steps"
-        threads = int(options[options.index("--threads") + 1]) if "--threads" in options else None
-        results = json.loads((ROOT / found.group(1)).read_text())
-        expected = summary.render(results, kind, threads, "--short" in options)
-        assert lines[index + 1 : index + 1 + len(expected)] == expected, (
-            f"{path.name}:{index + 1}: the table differs from {found.group(1)}; "
-            f"render it again with: {line[5:-4]}"
-        )
+        default = eval(compile(ast.Expression(keyword.value), "<docs>", "eval"), {"torch": torch})
+        written.append((keyword.arg, default, kind))
+    real = [(p.name, p.default, p.kind) for p in signature.parameters.values()]
+    if written != real:
+        return [f"{label}: documented {written}, real {real}"]
+    return []
+
+
+def documented_calls(path: Path) -> list[tuple[str, ast.Call, bool, bool]]:
+    """(where, call, whether it is a statement of its own, whether in a python block) for every call
+    in the python blocks that do not run and in the code spans of the prose that parse as Python."""
+    calls = []
+    sources = [(f"{path.name}:{line}", text, True) for line, text in python_blocks(path)]
+    sources += [(f"{path.name}:{number}", span, False) for number, line in prose_lines(path)
+                for span in CODE_SPAN.findall(line) if "(" in span]
+    for where, text, in_block in sources:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            assert not in_block, f"{where}: a python block that does not parse"
+            continue  # a code span that is not Python
+        statements = {id(s.value) for s in tree.body if isinstance(s, ast.Expr)}
+        calls += [(where, node, id(node) in statements, in_block)
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)]
+    return calls
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_documented_calls_match_the_signatures(path: Path) -> None:
+    problems = [f"{where}: {problem}" for where, call, statement, in_block in documented_calls(path)
+                for problem in signature_problems(call, statement, in_block)]
+    assert not problems, "\n".join(problems)
+
+
+def test_ops_page_names_each_op_with_its_schema_arguments() -> None:
+    """docs/ops.md's table names each torch.ops.fusedamp op with its schema's arguments, in order
+    (``...``: the others)."""
+    problems = []
+    for number, line in prose_lines(ROOT / "docs" / "ops.md"):
+        if not line.startswith("| `"):
+            continue
+        for span in CODE_SPAN.findall(line.split("|")[1]):
+            call = ast.parse(span).body[0].value  # type: ignore[attr-defined]
+            schema = getattr(torch.ops.fusedamp, call.func.id).default._schema
+            real = [argument.name for argument in schema.arguments]
+            written = [arg.id for arg in call.args if isinstance(arg, ast.Name)]
+            rest = any(isinstance(arg, ast.Constant) and arg.value is Ellipsis for arg in call.args)
+            if written != (real[: len(written)] if rest else real):
+                problems.append(f"ops.md:{number}: {span}, schema {real}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_signature_check_can_fail() -> None:
+    def check(text: str) -> list[str]:
+        tree = ast.parse(re.sub(r"(?<=[(,])(\s*)\*(\s*),", rf"\1{KEYWORD_ONLY}=None,\2", text))
+        return signature_problems(tree.body[0].value, True)  # type: ignore[attr-defined]
+
+    assert check('fusedamp.ops.gemm(a, b, bias=None, activation="none", out_dtype=None)') == []
+    assert check('fusedamp.ops.gemm(a, b, bias=None, activation="gelu", out_dtype=None)')  # a default
+    assert check('fusedamp.ops.gemm(a, b, bias=None, out_dtype=None)')  # a parameter left out
+    assert check('fusedamp.ops.gemm(a, b, *, bias=None, activation="none", out_dtype=None)')  # a kind
+    assert check('fusedamp.nn.Linear(4, 8, True, "gelu")') == []  # binds (device="gelu")
+    assert check('fusedamp.ops.gemm(x, w, act="gelu")')  # no such keyword
 
 
 def test_results_folder_holds_one_small_json_per_platform() -> None:

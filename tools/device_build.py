@@ -1,8 +1,9 @@
-"""The fusedamp build carried to a lent GPU: made on a CPU host by prepare_device_build.sh for the
-device image's Python, torch and CUDA archs, installed by gpu_check.sh only when all three and the
-sources it was built from match what the device has (else gpu_check.sh builds there). The library
-travels xz-compressed (``_C.*.so.xz``: every CPU ISA and two CUDA archs strip to ~70 MiB, over what
-the device tool carries, and compress ~8x); a plain ``_C.*.so`` is accepted too.
+"""The fusedamp build carried to a GPU machine: made on a CPU host by prepare_device_build.sh for
+the GPU machine's Python, torch and CUDA archs, installed by gpu_check.sh only when all three and
+the sources it was built from match what the GPU machine has (else gpu_check.sh builds there). The
+library travels xz-compressed (``_C.*.so.xz``: every CPU ISA and two CUDA archs strip to ~70 MiB,
+and compress ~8x, which keeps what is copied to the GPU machine small); a plain ``_C.*.so`` is
+accepted too.
 
     python -m tools.device_build manifest --folder .device_build --archs "8.0;9.0a"
     python -m tools.device_build install --folder .device_build --archs "8.0;9.0a"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one script for a lent GPU, sized so that a run and a shorter rerun fit in a 15-minute device
-# budget: the stages share GPU_CHECK_BUDGET_S (default 480 s). The build carried from a CPU host
-# (prepare_device_build.sh; its header has the device call) is installed when its Python, torch,
+# The one script for a GPU machine, sized so that a run and a shorter rerun fit in about 15 minutes
+# of it: the stages share GPU_CHECK_BUDGET_S (default 480 s). The build carried from a CPU host
+# (prepare_device_build.sh; its header says how to run this with it) is installed when its Python, torch,
 # archs and sources match, else the extension is built for 8.0;9.0a; the peers carried beside it
 # (<build>/site: bitsandbytes, torchao) go on PYTHONPATH. Then the CUDA tests (optimizer/AMP tests
 # first, on 4 pytest-xdist workers where the image has xdist, then the GEMM tests, each under its
@@ -17,7 +17,7 @@
 # 240 s on an H200, its torchao peer most of it, so it gets a call of its own:
 # GPU_CHECK_STAGES=benchmarks GPU_CHECK_BENCHMARKS=optim GPU_CHECK_BENCHMARK_S=300);
 # GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun).
-# Everything lands in $OUT, at most 8 files (what the device tool brings back): summary.json
+# Everything lands in $OUT, at most 8 files, to copy back from the GPU machine: summary.json
 # (environment + per-stage status, always written, also when a stage fails), build.log,
 # tests.log (tests and sanitizer), cuda_tests.xml, gemm_tests.xml, benchmarks.log (benchmarks and
 # demo), demo.json and the benchmarks' <platform>.json (e.g. cuda-h200.json: commit it as

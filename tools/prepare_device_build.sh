@@ -1,31 +1,32 @@
 #!/usr/bin/env bash
-# Builds fusedamp here (a CPU host with nvcc 13.0) for the lent GPU's image, so that gpu_check.sh
-# spends its device time on tests instead of a ~200 s build: a venv with the device's Python 3.12
-# and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
-# every CPU kernel build (FUSEDAMP_CPU_ISAS=all: the device's CPU is not this one),
-# debug info stripped and xz-compressed (the device tool carries at most 64 MiB), into
+# Builds fusedamp here (a CPU host with nvcc 13.0) for a GPU machine, so that gpu_check.sh spends
+# the GPU machine's time on tests instead of a ~200 s build: a venv with the GPU machine's Python
+# 3.12 and torch 2.11.0+cu130 (PyPI's 2.11.0 wheel is the cu130 build), TORCH_CUDA_ARCH_LIST=8.0;9.0a,
+# every CPU kernel build (FUSEDAMP_CPU_ISAS=all: the GPU machine's CPU is not this one),
+# debug info stripped and xz-compressed (a small folder to copy to the GPU machine), into
 # .device_build/ (ignored by git) with a manifest of Python, torch, archs and a digest of the
 # sources (tools/device_build.py).
 #
-#   bash tools/prepare_device_build.sh    # then commit, and call the device with:
-#   run(command="bash tools/gpu_check.sh", carry=[".device_build"], timeout_s=360)
+#   bash tools/prepare_device_build.sh    # here; then, on the GPU machine, in a copy of this
+#   bash tools/gpu_check.sh               # checkout with .device_build/ beside it (OUT=<folder>)
 #
-# gpu_check.sh installs the carried build only when the device's Python, torch and archs and the
+# gpu_check.sh installs the carried build only when the GPU machine's Python, torch and archs and the
 # checkout's sources match the manifest, and builds there otherwise (the log says why). Rebuild here
-# after any change under csrc/, setup.py or fusedamp/_cuda_archs.py. The benchmarks' peers that the
-# device's image lacks (bitsandbytes, torchao) are unpacked beside the build, into site/, trimmed
-# to what their optimizers load (bitsandbytes' CUDA 13.0 library; no torchao GEMM libraries), so
-# that build and peers stay well under the 64 MiB the device tool carries.
+# after any change under csrc/, setup.py or fusedamp/_cuda_archs.py. The benchmarks' peers that a GPU
+# machine without a package index lacks (bitsandbytes, torchao) are unpacked beside the build, into
+# site/, trimmed to what their optimizers load (bitsandbytes' CUDA 13.0 library; no torchao GEMM
+# libraries), so that build and peers stay a few tens of MiB.
 #
 # The first run installs the venv and torch (later runs reuse them); a cold build is long on a
 # 2-core machine, a warm one short (ninja recompiles only changed sources: build/device-src is
 # kept). The stripped _C (every CPU ISA, two CUDA archs) is ~70 MiB, ~8 MiB compressed. Stage
-# caps on the device (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried build installed
+# caps on the GPU machine (gpu_check.sh, GPU_CHECK_BUDGET_S=480 by default): carried build installed
 # in ~10 s (else the build, up to 300 s, leaves little else), CUDA tests 240 s, GEMM tests 60 s,
-# memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run after a machine start
-# of ~2 min leaves time for a rerun of some stages (GPU_CHECK_STAGES) in a 15-minute budget.
+# memcheck 45 s, initcheck 45 s, benchmarks 150 s, demo 60 s: a first run leaves time for a rerun of
+# some stages (GPU_CHECK_STAGES) within about 15 minutes.
 # Environment: DEVICE_VENV (default /work/venvs/device-py312), DEVICE_PYTHON (an interpreter of
-# the device's Python version, default pyenv's 3.12), DEVICE_TORCH (2.11.0), DEVICE_BUILD (.device_build).
+# the GPU machine's Python version, default pyenv's 3.12), DEVICE_TORCH (2.11.0),
+# DEVICE_BUILD (.device_build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

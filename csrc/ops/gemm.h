@@ -38,7 +38,7 @@ GemmCall check_gemm_call(const at::Tensor& a, const at::Tensor& b,
 // preact empty unless keep_preactivation.
 std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call);
 
-// Which code computes CUDA gemms. kReference (the default until the kernels have run on a GPU)
+// Which code computes CUDA gemms. kReference (the default while the kernels trail cuBLAS)
 // always uses gemm_reference; kAuto picks wgmma on sm_90, mma.sync on other sm_80+ GPUs;
 // kMmaSync / kWgmma force one kernel family. Shapes a kernel cannot take use gemm_reference.
 enum class Backend : int32_t { kReference = 0, kAuto = 1, kMmaSync = 2, kWgmma = 3 };
