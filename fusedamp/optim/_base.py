@@ -435,7 +435,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def state_bytes(self) -> dict[str, int]:
         """The bytes the optimizer state holds, measured from its tensors, by kind: ``masters``
         (fp32 masters, bf16 remainders), ``moments`` (moments and momentum buffers, in their
-        codec), ``scales`` (the float32 scales of 8-bit moments) and ``other`` (step counts).
+        codec), ``scales`` (the bfloat16 block scales of 8-bit moments) and ``other`` (step counts).
 
         Offloaded (all of the state is then on the host), also ``params`` and ``grads`` (the
         host copies of the params and the host grad buffers) and the totals by place: ``host``

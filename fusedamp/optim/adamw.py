@@ -34,9 +34,9 @@ class FusedAdamW(FusedOptimizer):
       for any thread count, and a resumed run continues bitwise. float32 params never have a
       master.
     - ``moments``: how ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are stored:
-      ``"fp32"`` (default), ``"bf16"``, or ``"int8"``: 8-bit block codes (uint8, an fp8-like
-      code relative to a power-of-two float32 scale per block of 256 elements, under
-      ``"<key>_scales"``), about 1 byte per element. bf16 and int8 moments are stored rounded
+      ``"fp32"`` (default), ``"bf16"``, or ``"int8"``: 8-bit block codes (uint8, a code
+      relative to a bfloat16 scale per block of 256 elements, under ``"<key>_scales"``, with
+      the most precision near the block's largest value), about 1 byte per element. bf16 and int8 moments are stored rounded
       stochastically (unbiased, with bits from the hash ``seed`` keys), so that changes smaller
       than their resolution are kept on average and long runs track fp32 moments. float64 and
       complex params keep torch's own step and need ``"fp32"``. ``state_bytes()`` measures what
