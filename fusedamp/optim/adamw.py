@@ -11,8 +11,8 @@ from torch import Tensor
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
-from fusedamp.optim._offload import OffloadTarget
 from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
+from fusedamp.optim.offload import DELAY_WARMUP, OffloadOptions, OffloadTarget
 
 __all__ = ["FusedAdamW"]
 
@@ -53,12 +53,15 @@ class FusedAdamW(FusedOptimizer):
       it used back into ``.grad`` as torch does (default); ``False`` saves that write for code
       that zeroes the grads right after the step.
     - ``offload="cpu"``: the state and the step on the host, the params and grads on their
-      device (one CUDA device); each grad goes to the host as backward makes it and the params
-      come back while the CPU steps the rest, with the same bits as without offload.
-      ``offload_gradients=True`` frees each grad on the device once it is on the host;
-      ``step_in_backward=True`` steps each param as soon as its grad landed (no clipping, no
-      GradScaler); ``offload_no_sync()`` marks the micro-batches of gradient accumulation before
-      the last. See docs/offload.md.
+      device (one CUDA device); the grads go to the host in buckets as backward makes them, the
+      CPU steps the params in the order their grads land and they come back while it steps the
+      rest, with the same bits as without offload. ``offload_gradients=True`` frees each grad on
+      the device once it is on the host; ``step_in_backward=True`` steps each param as soon as its
+      grad landed (no clipping, no GradScaler); ``offload_delay=1`` delays each update by one
+      step (after ``offload_delay_warmup`` applied steps, default 40), so that the CPU step runs
+      during the next forward and backward, ZeRO-Offload's delayed parameter update;
+      ``offload_no_sync()`` marks the micro-batches of gradient accumulation before the last,
+      ``offload_flush()`` puts a delayed update into the params now. See docs/offload.md.
 
     ``lr`` may be a float or a one-element tensor. Under a ``torch.amp.GradScaler`` or
     ``fusedamp.GradScaler``, ``scaler.step(opt)`` unscales, checks for inf/NaN and (optionally)
@@ -97,6 +100,8 @@ class FusedAdamW(FusedOptimizer):
         offload: OffloadTarget | None = None,
         offload_gradients: bool = False,
         step_in_backward: bool = False,
+        offload_delay: int = 0,
+        offload_delay_warmup: int = DELAY_WARMUP,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= eps:
@@ -120,7 +125,10 @@ class FusedAdamW(FusedOptimizer):
             "seed": seed,
             **torch_flags(foreach, fused, capturable, differentiable),
         }
-        super().__init__(params, defaults, max_grad_norm, offload, offload_gradients, step_in_backward)
+        offload_options = OffloadOptions.checked(
+            offload, offload_gradients, step_in_backward, offload_delay, offload_delay_warmup, max_grad_norm
+        )
+        super().__init__(params, defaults, max_grad_norm, offload_options)
 
     def _check_hyperparameters(self) -> None:
         super()._check_hyperparameters()
