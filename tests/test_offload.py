@@ -91,7 +91,7 @@ def pair(
 ) -> tuple[Any, ...]:
     """(model, optimizer) without offload and (model, optimizer) with, from the same weights."""
     reference, offloaded = Net(dtype).to(device), Net(dtype).to(device)
-    offload_keys = ("offload_gradients", "step_in_backward")
+    offload_keys = ("offload_gradients", "step_in_backward", "offload_delay", "offload_delay_warmup")
     offload_options = {key: options.pop(key) for key in offload_keys if key in options}
     return (
         reference,

@@ -28,6 +28,7 @@ from test_offload import (  # noqa: F401 (transfers: the fixture of both ways to
     loss_of,
     make_optimizer,
     mode_id,
+    pair,
     train,
     transfers,
 )
@@ -61,7 +62,7 @@ def without_delayed(state_dict: dict[str, Any]) -> dict[str, Any]:
 def test_chunks_follow_the_order_the_grads_land(arrival_order: bool) -> None:
     """The first backward records the order the grads land in (the last layer first); the CPU
     steps the params in that order, or in the optimizer's: the same bits either way."""
-    reference, opt, offloaded, offloaded_opt = pair_of("adamw", moments="int8", max_grad_norm=0.1)
+    reference, opt, offloaded, offloaded_opt = pair("adamw", moments="int8", max_grad_norm=0.1)
     offloaded_opt._executor.arrival_order = arrival_order
     train(reference, opt, range(3))
     train(offloaded, offloaded_opt, range(3))
@@ -80,26 +81,13 @@ def test_chunks_follow_the_order_the_grads_land(arrival_order: bool) -> None:
     assert [id(p) for p in stepped] == [id(p) for p in expected]
 
 
-def pair_of(kind: str, dtype: torch.dtype = torch.bfloat16, **options: Any) -> tuple[Any, ...]:
-    """(model, optimizer) without offload and (model, offloaded optimizer), from the same weights."""
-    reference, offloaded = Net(dtype), Net(dtype)
-    offload_keys = ("offload_gradients", "offload_delay", "offload_delay_warmup")
-    offload_options = {key: options.pop(key) for key in offload_keys if key in options}
-    return (
-        reference,
-        make_optimizer(kind, list(reference.parameters()), **options),
-        offloaded,
-        make_optimizer(kind, list(offloaded.parameters()), offload="cpu", **options, **offload_options),
-    )
-
-
 @pytest.mark.usefixtures("transfers")
 @pytest.mark.parametrize("bucket_bytes", [1, 1 << 30], ids=["a bucket per grad", "one bucket"])
 def test_grads_go_to_the_host_in_buckets(bucket_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Backward copies its grads a bucket at a time: one bucket (at the end of backward) when they
     fit, else one per BUCKET_BYTES; bitwise either way."""
     monkeypatch.setattr(offload_backward, "BUCKET_BYTES", bucket_bytes)
-    reference, opt, offloaded, offloaded_opt = pair_of("sgd", master_weights="remainder")
+    reference, opt, offloaded, offloaded_opt = pair("sgd", master_weights="remainder")
     train(reference, opt, range(3))
     train(offloaded, offloaded_opt, range(3))
     assert_same_bits(params_of(reference), params_of(offloaded))

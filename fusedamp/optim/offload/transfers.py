@@ -41,37 +41,32 @@ class Transfers:
         """Copies each of ``sources`` into its host tensor after the work queued so far on the
         current stream (which made them) and after the events ``after``. ``free``: the caller
         drops the sources right away, so their memory is kept from reuse until the copies read it."""
-        if not hosts:
-            return None
-        if not self.cuda:
-            torch._foreach_copy_(list(hosts), list(sources))
-            return None
-        stream = self.d2h
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for event in dict.fromkeys(event for event in after if event is not None):
-            stream.wait_event(event)
-        with torch.cuda.stream(stream):
-            torch._foreach_copy_(list(hosts), list(sources), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        if free:
+        if self.cuda and hosts:
+            self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        event = self._copy(self.d2h if self.cuda else None, hosts, sources, after)
+        if free and self.cuda:
             for source in sources:
-                source.record_stream(stream)
+                source.record_stream(self.d2h)
         return event
 
     def to_device(self, targets: Sequence[Tensor], hosts: Sequence[Tensor], after: Iterable[Any] = ()) -> Any:
         """Copies each host tensor into its target after the events ``after`` (and the work made
         to wait by ``before_writes``)."""
+        return self._copy(self.h2d if self.cuda else None, targets, hosts, after)
+
+    @staticmethod
+    def _copy(stream: Any, targets: Sequence[Tensor], sources: Sequence[Tensor], after: Iterable[Any]) -> Any:
+        """``targets[i].copy_(sources[i])`` for each i: on ``stream`` after the events ``after``, one
+        event for all; in place (no stream: the CPU) and no event."""
         if not targets:
             return None
-        if not self.cuda:
-            torch._foreach_copy_(list(targets), list(hosts))
+        if stream is None:
+            torch._foreach_copy_(list(targets), list(sources))
             return None
-        stream = self.h2d
         for event in dict.fromkeys(event for event in after if event is not None):
             stream.wait_event(event)
         with torch.cuda.stream(stream):
-            torch._foreach_copy_(list(targets), list(hosts), non_blocking=True)
+            torch._foreach_copy_(list(targets), list(sources), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
