@@ -1,7 +1,8 @@
 """Offloaded training on one GPU, on models that need offload: GPT-2 small (124M params) at 8 x 1024
 tokens, and a 7B decoder (Llama 2 7B's shapes, bf16 params) whose fp32 AdamW state would not fit
 beside its params and activations, trained with the optimizer state and step on the host.
-Run from the repository root (about 5 minutes on an H200 with 16 host cores):
+Run from the repository root (not timed on a GPU yet: an estimated 5 to 8 minutes on an H200 with
+16 host cores, most of it the 7B rows; the JSON is written after each row):
 
     python -m benchmarks.bench_offload_loop [--models gpt2,llama-7b] [--steps 8] [--json PATH]
     python -m benchmarks.bench_offload_loop --dry-run   # tiny models, any device: the logic only
@@ -34,6 +35,7 @@ torchao rows when ``torchao`` is importable.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import time
@@ -357,8 +359,11 @@ def timed_steps(loop: Loop, steps: int, timers: Timers | None = None) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def measure(case: Case, device: str, steps: int) -> list[dict[str, Any]]:
-    """The rows of one case, one optimizer after the other on the same model."""
+def measure(
+    case: Case, device: str, steps: int, done: Callable[[list[dict[str, Any]]], None] = lambda rows: None
+) -> list[dict[str, Any]]:
+    """The rows of one case, one optimizer after the other on the same model; ``done`` gets the
+    rows so far after each one (a run stopped by its time limit keeps the rows it finished)."""
     torch.manual_seed(0)
     model = case.make_model(device)
     params = sum(p.numel() for p in model.parameters())
@@ -367,6 +372,7 @@ def measure(case: Case, device: str, steps: int) -> list[dict[str, Any]]:
     fwd_bwd = timed_steps(baseline, steps)
     rows = [{"bench": "offload-loop", "case": case.name, "impl": "forward + backward", "device": device,
              "params": params, "time_ms": fwd_bwd * 1e3, **baseline.parts_ms()}]
+    done(rows)
     for impl, make in case.makers.items():
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -398,6 +404,7 @@ def measure(case: Case, device: str, steps: int) -> list[dict[str, Any]]:
         print(f"{case.name}, {impl}: " + (f"{row['time_ms']:.1f} ms" if row.get("fits") else "out of memory"),
               flush=True)
         rows.append(row)
+        done(rows)
     return rows
 
 
@@ -453,15 +460,24 @@ def main() -> None:
     steps = 2 if args.dry_run else args.steps
     rows: list[dict[str, Any]] = []
     environment_ = environment(args.device)
-    for case in cases(args.models.split(","), args.device, args.dry_run):
-        rows += measure(case, args.device, steps)
-        # After each case: a run stopped by its time limit keeps the cases it finished.
+
+    def targets(finished: list[dict[str, Any]]) -> list[str]:
+        # A dry run's tiny models say nothing about the targets: its verdicts only show the logic.
+        lines = verdicts(finished)
+        return [f"dry run, not a measurement: {line}" for line in lines] if args.dry_run else lines
+
+    def save(before: list[dict[str, Any]], case_rows: list[dict[str, Any]]) -> None:
+        """Writes the rows of the cases done ``before`` and those of the current case so far."""
+        finished = before + case_rows
         write_json(args.json, {"environment": environment_, "threads": torch.get_num_threads(),
-                               "steps": steps, "rows": rows, "targets": verdicts(rows)})
+                               "steps": steps, "rows": finished, "targets": targets(finished)})
+
+    for case in cases(args.models.split(","), args.device, args.dry_run):
+        rows += measure(case, args.device, steps, done=functools.partial(save, list(rows)))
     print(format_table(rows, ["case", "impl", "time_ms", "exposed_ms", "forward_ms", "backward_ms", "step_ms",
                               "hooks_ms", "cpu_step_ms", "d2h_ms", "h2d_ms", "host_bytes_per_param",
                               "gpu_peak_bytes_per_param"]))
-    print("\n".join(verdicts(rows)))
+    print("\n".join(targets(rows)))
 
 
 if __name__ == "__main__":

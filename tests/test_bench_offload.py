@@ -86,8 +86,12 @@ def test_offload_loop_rows_on_tiny_models() -> None:
     consistent, and the verdicts find what they need."""
     rows = []
     for case in bench_offload_loop.cases(["gpt2", "llama-7b"], "cpu", dry_run=True):
-        measured = bench_offload_loop.measure(case, "cpu", steps=2)
+        saved: list[int] = []  # the rows handed over after each one (written to the JSON)
+        measured = bench_offload_loop.measure(
+            case, "cpu", steps=2, done=lambda rows, saved=saved: saved.append(len(rows))
+        )
         assert [row["impl"] for row in measured] == ["forward + backward", *case.makers]
+        assert saved == list(range(1, len(measured) + 1))
         baseline, *others = measured
         for row in others:
             assert row["fits"] and row["time_ms"] > 0 and row["forward_ms"] > 0 and row["backward_ms"] > 0
