@@ -3,6 +3,8 @@ tensors, GPT-2 small (124M params in its 148 tensors), stepped on the CPU by fus
 DeepSpeedCPUAdam and torch's fused CPU optimizers, with what bounds each step.
 
 Run from the repository root: python -m benchmarks.bench_offload [--threads 1,2] [--json PATH]
+(default threads: 1, 2 and all of torch's, so that an offloaded step can be read against the
+host's cores; each row also gives its speedup over the same step at one thread).
 
 Peers, each timed in turns with the others in one process (round-robin, warmed up, medians):
 
@@ -276,6 +278,24 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def scaling(rows: list[dict[str, Any]]) -> list[str]:
+    """Each peer's step at every thread count against the same step at one thread (adds the ratio
+    to the rows as "x over 1 thread")."""
+    single = {(row["bench"], row["impl"]): row["time_ms"] for row in rows if row["threads"] == 1}
+    lines = []
+    for row in rows:
+        base = single.get((row["bench"], row["impl"]))
+        if base is None or row["threads"] == 1:
+            continue
+        row["x over 1 thread"] = base / row["time_ms"]
+        lines.append(
+            f"scaling {row['bench']} {row['impl']}: {row['threads']} threads {row['time_ms']:.1f} ms, "
+            f"{row['x over 1 thread']:.2f}x one thread's {base:.1f} ms ({row['gbps']:.1f} GB/s of its bytes, "
+            f"{row['% copy']:.0f}% of the copy rate at {row['threads']} threads)"
+        )
+    return lines
+
+
 def model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=12, help="GPT-2 blocks (default: 12, 124M params)")
     parser.add_argument("--vocab", type=int, default=50257, help="rows of wte (default: 50257)")
@@ -292,7 +312,8 @@ def main() -> None:
         raise SystemExit(77)
     shapes = gpt2_shapes(vocab=args.vocab, layers=args.layers)
     rows: list[dict[str, Any]] = []
-    for threads in thread_counts(args.threads, "cpu"):
+    counts = thread_counts(args.threads, "cpu") if args.threads else sorted({1, 2, torch.get_num_threads()})
+    for threads in counts:
         torch.set_num_threads(threads)
         for kind in ("adamw", "sgd"):
             rows += measure(kind, shapes, threads, args.rounds, not args.no_deepspeed)
@@ -303,11 +324,15 @@ def main() -> None:
                "host B/param", "in L2 ns", "from memory ns", "stream bound ns"]
     print(format_table(rows, columns))
     lines = findings(rows)
+    scaled = scaling(rows)
+    for line in scaled:
+        print(line)
     for line in lines:
         print(line)
     write_json(args.json, {
         "benchmark": "offload", "environment": environment("cpu"), "model": MODEL, "layers": args.layers,
         "vocab": args.vocab, "shapes": shapes, "rows": rows, "targets": lines,
+        "scaling": scaled,
     })
 
 

@@ -1,141 +1,167 @@
-"""An offloaded training loop on one GPU: GPT-2 small (124M params) trained with its optimizer on
-the host, fusedamp's ``offload="cpu"`` against torchao's ``CPUOffloadOptimizer`` and against the
-same optimizer without offload, with how much of the CPU step hides behind backward.
-Run from the repository root: python -m benchmarks.bench_offload_loop [--steps 8] [--json PATH]
+"""Offloaded training on one GPU, on models that need offload: GPT-2 small (124M params) at 8 x 1024
+tokens, and a 7B decoder (Llama 2 7B's shapes, bf16 params) whose fp32 AdamW state would not fit
+beside its params and activations, trained with the optimizer state and step on the host.
+Run from the repository root (not timed on a GPU yet: an estimated 5 to 8 minutes on an H200 with
+16 host cores, most of it the 7B rows; the JSON is written after each row):
 
-Each row is one training step (forward, backward, ``step()``, ``zero_grad()``) on a batch of
-``--batch`` x ``--seq`` tokens, timed from a synchronized GPU to a synchronized GPU, the
-optimizers taking turns (round-robin, warmed up, medians). Cases:
-- fp32 params under bf16 autocast, AdamW with fp32 moments: fusedamp offloaded, torchao's
-  CPUOffloadOptimizer (torch's fused CPU AdamW per param), and fusedamp and torch's fused AdamW
-  on the GPU (no offload): the same job, so the same bits of state.
-- bf16 params with a remainder (exact fp32 master) and int8 moments, fusedamp offloaded and on the
-  GPU; torchao's CPUOffloadOptimizer on the bf16 params is the nearest peer, a different job
-  (bf16 AdamW without a master, 8 host bytes per param).
-- the fp32 job with ``step_in_backward=True``: each param stepped on the host as its grad lands.
-Per row: ``step_alone_ms``, the optimizer's ``step()`` alone after a synchronized backward (no
-overlap possible); ``exposed_ms``, the training step minus forward + backward without an
-optimizer (``fwd_bwd_ms``, the same model and dtypes); ``hidden``, the share of the CPU step that
-the loop hides (1 - exposed / step alone); host bytes per param, measured from the tensors.
-Needs a CUDA GPU (exits 77 otherwise); torchao rows when ``torchao`` is importable.
+    python -m benchmarks.bench_offload_loop [--models gpt2,llama-7b] [--steps 8] [--json PATH]
+    python -m benchmarks.bench_offload_loop --dry-run   # tiny models, any device: the logic only
+
+Rows per model: fusedamp's ``offload="cpu"`` stepping the params in the optimizer's order, in the
+order their grads land (the default), and with the one-step delayed update (``offload_delay=1``,
+no warm-up); torchao's ``CPUOffloadOptimizer`` (torch's fused CPU AdamW per param); the same
+optimizer on the GPU where it fits (a row that runs out of memory says so). Each row trains
+``--steps`` timed steps (forward, backward, ``step()``, ``zero_grad()``) after 3 warm-up steps,
+timed from a synchronized GPU to a synchronized GPU, rows one after the other on the same model:
+
+- ``time_ms``: per training step; ``fwd_bwd_ms`` the same without an optimizer; ``exposed_ms`` the
+  difference.
+- On the GPU's timeline (CUDA events around each part of each timed step): ``forward_ms``,
+  ``backward_ms``, ``step_ms`` (from the end of backward to the end of ``zero_grad()``: what the
+  GPU waits for the step, or the step's kernels on the GPU).
+- On the host (timed inside the optimizers): ``hooks_ms``, fusedamp's backward hooks and their
+  bucket copies; ``cpu_step_ms``, the CPU's optimizer steps (fusedamp's buckets, torchao's
+  per-param optimizers), on whichever thread runs them.
+- From a profiler trace of 2 more steps: ``d2h_ms``/``h2d_ms``, the time of the copies between
+  GPU and host per step (on the copy engines: it overlaps the rest or not).
+- ``host_bytes_per_param`` (offloaded state and buffers, measured from the tensors) and
+  ``gpu_peak_bytes_per_param`` (peak allocated while the row trained: params, grads,
+  activations, GPU state).
+
+Then one verdict per target (``targets``). Needs a CUDA GPU (exits 77 otherwise) unless ``--dry-run``;
+torchao rows when ``torchao`` is importable.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
+import gc
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import fusedamp
-from benchmarks.common import (
-    benchmark_args,
-    environment,
-    format_table,
-    synchronize,
-    time_round_robin,
-    write_json,
-)
+from benchmarks.common import environment, format_table, synchronize, write_json
 
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-FP32_CASE = "GPT-2 124M, fp32 params, bf16 autocast"
-LOWMEM_CASE = "GPT-2 124M, bf16 params, remainder + int8"
-SIB_CASE = "GPT-2 124M, fp32 params, step_in_backward"
+LOWMEM = {"master_weights": "remainder", "moments": "int8"}
+WARMUP_STEPS = 3
+PROFILED_STEPS = 2
+PLAIN = "fusedamp offloaded, params' order"
+ARRIVAL, DELAYED = "fusedamp offloaded", "fusedamp offloaded, delayed"
+TORCHAO, ON_GPU = "torchao CPUOffloadOptimizer", "fusedamp on the GPU (no offload)"
+FP32_ON_GPU = "fusedamp on the GPU, fp32 master + moments (no offload)"
 
 
-class Block(torch.nn.Module):
+def causal_attention(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal self-attention of packed (batch, seq, 3 * width) queries, keys and values."""
+    batch, seq, width = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    q, k, v = (t.view(batch, seq, heads, -1).transpose(1, 2) for t in qkv.split(width, dim=2))
+    attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attended.transpose(1, 2).reshape(batch, seq, width)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+
+
+class Block(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
-        self.attn, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-        self.fc, self.out = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.attn(self.ln_1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, seq, width))
+        x = x + self.proj(causal_attention(self.attn(self.ln_1(x)), self.heads))
         return x + self.out(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
 
 
-class GPT2(torch.nn.Module):
+class GPT2(nn.Module):
     """GPT-2 small's shapes (124M params, the output layer tied to the token embedding)."""
 
     def __init__(self, vocab: int = 50257, positions: int = 1024, width: int = 768, layers: int = 12) -> None:
         super().__init__()
-        self.wte, self.wpe = torch.nn.Embedding(vocab, width), torch.nn.Embedding(positions, width)
-        self.blocks = torch.nn.ModuleList(Block(width, width // 64) for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(width)
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(positions, width)
+        self.blocks = nn.ModuleList(Block(width, width // 64) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+        return next_token_loss(F.linear(self.ln_f(x), self.wte.weight), tokens)
 
 
-def host_bytes_torchao(opt: Any) -> float:
-    """torchao's host copies of the params and grads and its per-param optimizers' state."""
-    total = params = 0
-    for host in opt.param_d2h_map.values():
-        params += host.numel()
-        total += 2 * host.numel() * host.element_size()
-    for inner in opt.optim_dict.values():
-        for state in inner.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values()
-                         if isinstance(v, torch.Tensor) and v.device.type == "cpu")
-    return total / max(params, 1)
+class LlamaBlock(nn.Module):
+    def __init__(self, width: int, heads: int, hidden: int, **factory: Any) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width, **factory), nn.RMSNorm(width, **factory)
+        self.qkv = nn.Linear(width, 3 * width, bias=False, **factory)
+        self.proj = nn.Linear(width, width, bias=False, **factory)
+        self.gate_up = nn.Linear(width, 2 * hidden, bias=False, **factory)
+        self.down = nn.Linear(hidden, width, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.proj(causal_attention(self.qkv(self.attn_norm(x)), self.heads))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=2)
+        return x + self.down(F.silu(gate) * up)
 
 
-class Loop:
-    """One model + optimizer: ``train()`` is a whole training step, ``backward()`` and ``step()``
-    its parts (for the step timed alone)."""
+class Llama(nn.Module):
+    """Llama 2 7B's shapes (6.74B params; no rotary embedding, which changes no timing that
+    matters here), made on ``device`` in ``dtype`` directly."""
 
-    def __init__(self, model: torch.nn.Module, make_opt: Callable[[list], Any] | None,
-                 tokens: torch.Tensor, autocast: bool) -> None:
-        self.model, self.tokens, self.autocast = model, tokens, autocast
-        self.opt = make_opt(list(model.parameters())) if make_opt is not None else None
+    def __init__(self, vocab: int = 32000, width: int = 4096, layers: int = 32, heads: int = 32,
+                 hidden: int = 11008, **factory: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, **factory)
+        self.blocks = nn.ModuleList(LlamaBlock(width, heads, hidden, **factory) for _ in range(layers))
+        self.norm = nn.RMSNorm(width, **factory)
+        self.head = nn.Linear(width, vocab, bias=False, **factory)
 
-    def backward(self) -> None:
-        with torch.autocast(self.tokens.device.type, torch.bfloat16, enabled=self.autocast):
-            loss = self.model(self.tokens)
-        loss.backward()
-
-    def step(self) -> None:
-        if self.opt is None:
-            self.model.zero_grad(set_to_none=True)
-            return
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def train(self) -> None:
-        self.backward()
-        self.step()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return next_token_loss(self.head(self.norm(x)), tokens)
 
 
-def step_alone(loop: Loop, steps: int) -> float:
-    """Median seconds of ``step()`` after a synchronized backward."""
-    device = loop.tokens.device.type
-    times = []
-    for _ in range(steps):
-        loop.backward()
-        synchronize(device)
-        start = time.perf_counter()
-        loop.step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@dataclass
+class Case:
+    """One model and precision, and the optimizers its rows train it with."""
+
+    name: str
+    make_model: Callable[[str], nn.Module]  # on the given device, in the case's dtype
+    vocab: int
+    batch: int
+    seq: int
+    autocast: bool  # fp32 params under bf16 autocast
+    makers: dict[str, Callable[[list[nn.Parameter]], Any]] = field(default_factory=dict)
 
 
-def torchao_offload() -> Callable[[list], Any] | None:
+def fusedamp_offloaded(order: str, **options: Any) -> Callable[[list[nn.Parameter]], Any]:
+    """An offloaded FusedAdamW: ``order`` "params" (the optimizer's), "arrival" or "delayed"."""
+
+    def make(params: list[nn.Parameter]) -> Any:
+        delay = {"offload_delay": 1, "offload_delay_warmup": 0} if order == "delayed" else {}
+        opt = fusedamp.FusedAdamW(params, offload="cpu", **delay, **ADAMW, **options)
+        opt._executor.arrival_order = order != "params"  # a benchmark's switch, not an option
+        return opt
+
+    return make
+
+
+def torchao_offload() -> Callable[[list[nn.Parameter]], Any] | None:
     try:
         from torchao.optim import CPUOffloadOptimizer
     except ImportError:
@@ -144,82 +170,314 @@ def torchao_offload() -> Callable[[list], Any] | None:
     return lambda params: CPUOffloadOptimizer(params, torch.optim.AdamW, fused=True, **ADAMW)
 
 
-def cases(device: str) -> dict[str, tuple[torch.dtype, dict[str, Callable[[list], Any]]]]:
-    """Per case: the params' dtype and the optimizers (torchao's on CUDA only)."""
-    fp32 = {
-        "fusedamp": lambda p: fusedamp.FusedAdamW(p, offload="cpu", **ADAMW),
-        "fusedamp on the GPU (no offload)": lambda p: fusedamp.FusedAdamW(p, **ADAMW),
-        "torch fused on the GPU (no offload)": lambda p: torch.optim.AdamW(p, fused=True, **ADAMW),
-    }
-    lowmem_options = {"master_weights": "remainder", "moments": "int8", **ADAMW}
-    lowmem = {
-        "fusedamp": lambda p: fusedamp.FusedAdamW(p, offload="cpu", **lowmem_options),
-        "fusedamp on the GPU (no offload)": lambda p: fusedamp.FusedAdamW(p, **lowmem_options),
-    }
+def cases(models: list[str], device: str, dry_run: bool) -> list[Case]:
+    """The cases of ``models`` ("gpt2", "llama-7b"); tiny shapes with ``dry_run``."""
     torchao = torchao_offload() if device == "cuda" else None
-    if torchao is not None:
-        fp32["torchao CPUOffloadOptimizer"] = torchao
-        lowmem["torchao CPUOffloadOptimizer (bf16 AdamW, no master)"] = torchao
-    sib = {"fusedamp": lambda p: fusedamp.FusedAdamW(p, offload="cpu", step_in_backward=True, **ADAMW)}
-    return {FP32_CASE: (torch.float32, fp32), LOWMEM_CASE: (torch.bfloat16, lowmem),
-            SIB_CASE: (torch.float32, sib)}
+    gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 0
+    found: list[Case] = []
+    if "gpt2" in models:
+        gpt2_shapes = {"vocab": 97, "positions": 16, "width": 64, "layers": 2} if dry_run else {}
+        batch, seq = (2, 16) if dry_run else (8, 1024)
+        vocab = gpt2_shapes.get("vocab", 50257)
+        fp32 = Case("GPT-2 124M, fp32 params, bf16 autocast", lambda d: GPT2(**gpt2_shapes).to(d), vocab,
+                    batch, seq, autocast=True)
+        fp32.makers = {
+            PLAIN: fusedamp_offloaded("params"), ARRIVAL: fusedamp_offloaded("arrival"),
+            DELAYED: fusedamp_offloaded("delayed"),
+            "fusedamp offloaded, step_in_backward": lambda p: fusedamp.FusedAdamW(
+                p, offload="cpu", step_in_backward=True, **ADAMW),
+            ON_GPU: lambda p: fusedamp.FusedAdamW(p, **ADAMW),
+            "torch fused on the GPU (no offload)": lambda p: torch.optim.AdamW(p, fused=True, **ADAMW),
+        }
+        lowmem = Case("GPT-2 124M, bf16 params, remainder + int8",
+                      lambda d: GPT2(**gpt2_shapes).to(d, torch.bfloat16), vocab, batch, seq, autocast=False)
+        lowmem.makers = {
+            ARRIVAL: fusedamp_offloaded("arrival", **LOWMEM),
+            DELAYED: fusedamp_offloaded("delayed", **LOWMEM),
+            ON_GPU: lambda p: fusedamp.FusedAdamW(p, **LOWMEM, **ADAMW),
+        }
+        if torchao is not None:
+            fp32.makers[TORCHAO] = torchao
+            lowmem.makers[f"{TORCHAO} (bf16 AdamW, no master)"] = torchao
+        found += [fp32, lowmem]
+    if "llama-7b" in models:
+        llama_shapes = {"vocab": 97, "width": 64, "layers": 2, "heads": 4, "hidden": 160} if dry_run else {}
+        # 4 x 2048 tokens: about 50 GB of activations, which leave room for the GPU rows on an H200.
+        batch, seq = (2, 16) if dry_run else (4 if gpu_memory > 120 << 30 else 2, 2048)
+        llama = Case("Llama 7B, bf16 params, remainder + int8",
+                     lambda d: Llama(**llama_shapes, device=d, dtype=torch.bfloat16),
+                     llama_shapes.get("vocab", 32000), batch, seq, autocast=False)
+        llama.makers = {
+            PLAIN: fusedamp_offloaded("params", **LOWMEM), ARRIVAL: fusedamp_offloaded("arrival", **LOWMEM),
+            DELAYED: fusedamp_offloaded("delayed", **LOWMEM),
+            ON_GPU: lambda p: fusedamp.FusedAdamW(p, **LOWMEM, **ADAMW),
+            FP32_ON_GPU: lambda p: fusedamp.FusedAdamW(p, **ADAMW),
+        }
+        if torchao is not None:  # last: torch keeps its page-locked blocks cached after the row
+            llama.makers[f"{TORCHAO} (bf16 AdamW, no master)"] = torchao
+        found.append(llama)
+    return found
 
 
-def host_bytes(opt: Any) -> float | None:
-    """Host bytes per param of an offloaded optimizer (None: it keeps nothing on the host)."""
-    if hasattr(opt, "param_d2h_map"):
-        return host_bytes_torchao(opt)
-    host = opt.state_bytes().get("host") if isinstance(opt, fusedamp.optim.FusedAdamW) else None
-    if not host:
-        return None
-    return host / sum(p.numel() for group in opt.param_groups for p in group["params"])
+class Timers:
+    """Host seconds spent in the offloaded optimizers' hooks and CPU steps, timed by wrapping the
+    methods they run through (any thread)."""
+
+    def __init__(self) -> None:
+        self.seconds = {"hooks": 0.0, "cpu step": 0.0}
+
+    def wrap(self, owner: Any, method: str, kind: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[kind] += time.perf_counter() - start
+
+        setattr(owner, method, timed)
+
+    def reset(self) -> None:
+        for kind in self.seconds:
+            self.seconds[kind] = 0.0
+
+    def watch(self, opt: Any) -> dict[str, bool]:
+        """Wraps what ``opt`` runs on the host; returns which kinds it times for this optimizer."""
+        executor = getattr(opt, "_executor", None)
+        if executor is not None and hasattr(executor, "backward"):  # fusedamp, offloaded
+            self.wrap(executor.backward, "on_grad", "hooks")  # with the copies of full buckets
+            self.wrap(executor.backward, "_end_of_backward", "hooks")  # the copies of the rest
+            self.wrap(opt, "_run_bucket", "cpu step")
+            return {"hooks": True, "cpu step": True}
+        for inner in getattr(opt, "optim_dict", {}).values():  # torchao's per-param optimizers
+            self.wrap(inner, "step", "cpu step")
+        return {"hooks": False, "cpu step": hasattr(opt, "optim_dict")}
 
 
-def measure(case: str, dtype: torch.dtype, makers: dict, args: argparse.Namespace,
-            model: Callable[[], torch.nn.Module] = GPT2) -> list[dict[str, Any]]:
-    """The rows of one case; ``args`` needs device, batch, seq and steps."""
+class Loop:
+    """A model, its tokens and an optimizer (None: forward and backward only)."""
+
+    def __init__(self, model: nn.Module, tokens: torch.Tensor, autocast: bool, opt: Any) -> None:
+        self.model, self.tokens, self.autocast, self.opt = model, tokens, autocast, opt
+        self.device = tokens.device.type
+        self.events: list[list[Any]] = []  # per step: CUDA events before forward, backward, step, after
+
+    def mark(self, marks: list[Any]) -> None:
+        if self.device == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append(event)
+        else:
+            marks.append(time.perf_counter())
+
+    def train(self, record: bool = False) -> None:
+        marks: list[Any] = []
+        self.mark(marks)
+        with torch.autocast(self.device, torch.bfloat16, enabled=self.autocast):
+            loss = self.model(self.tokens)
+        self.mark(marks)
+        loss.backward()
+        self.mark(marks)
+        if self.opt is None:
+            self.model.zero_grad(set_to_none=True)
+        else:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.mark(marks)
+        if record:
+            self.events.append(marks)
+
+    def parts_ms(self) -> dict[str, float]:
+        """Median forward, backward and step of the recorded steps (GPU timeline on a GPU)."""
+        def span(a: Any, b: Any) -> float:
+            return a.elapsed_time(b) if self.device == "cuda" else (b - a) * 1e3
+
+        return {name: statistics.median(span(m[i], m[i + 1]) for m in self.events)
+                for i, name in enumerate(("forward_ms", "backward_ms", "step_ms"))}
+
+
+def copies_per_step(loop: Loop, steps: int) -> dict[str, float | None]:
+    """ms of the copies GPU -> host and host -> GPU per step, from a profiler trace."""
+    if loop.device != "cuda":
+        return {"d2h_ms": None, "h2d_ms": None}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            loop.train()
+        synchronize("cuda")
+    totals: dict[str, float | None] = {"d2h_ms": 0.0, "h2d_ms": 0.0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = "d2h_ms" if "DtoH" in event.name else "h2d_ms" if "HtoD" in event.name else None
+        if kind is not None:
+            totals[kind] += event.time_range.elapsed_us() / 1e3 / steps
+    return totals
+
+
+def host_bytes(opt: Any) -> int | None:
+    """Bytes an offloaded optimizer holds on the host (None: it holds nothing there)."""
+    if hasattr(opt, "param_d2h_map"):  # torchao: host params and grads, its optimizers' state
+        total = sum(2 * host.numel() * host.element_size() for host in opt.param_d2h_map.values())
+        for inner in opt.optim_dict.values():
+            for state in inner.state.values():
+                total += sum(v.numel() * v.element_size() for v in state.values()
+                             if isinstance(v, torch.Tensor) and v.device.type == "cpu")
+        return total
+    if isinstance(opt, fusedamp.optim.FusedAdamW):
+        return opt.state_bytes().get("host")
+    return None
+
+
+def release(model: nn.Module) -> None:
+    """Frees what a dropped optimizer left on the model: grads, and torchao's hooks (it keeps no
+    handles; fusedamp's go with its optimizer), which hold the optimizer and its host memory."""
+    model.zero_grad(set_to_none=True)
+    for param in model.parameters():
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            hooks.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def timed_steps(loop: Loop, steps: int, timers: Timers | None = None) -> float:
+    """Seconds per training step over ``steps`` recorded steps, after the warm-up (``timers``
+    count from its end)."""
+    for _ in range(WARMUP_STEPS):
+        loop.train()
+    synchronize(loop.device)
+    if timers is not None:
+        timers.reset()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loop.train(record=True)
+    synchronize(loop.device)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(
+    case: Case, device: str, steps: int, done: Callable[[list[dict[str, Any]]], None] = lambda rows: None
+) -> list[dict[str, Any]]:
+    """The rows of one case, one optimizer after the other on the same model; ``done`` gets the
+    rows so far after each one (a run stopped by its time limit keeps the rows it finished)."""
     torch.manual_seed(0)
-    base = model().to(args.device, dtype)
-    tokens = torch.randint(0, base.wte.num_embeddings, (args.batch, args.seq), device=args.device)
-    autocast = dtype == torch.float32
-    loops = {name: Loop(copy.deepcopy(base), make, tokens, autocast) for name, make in makers.items()}
-    loops["forward + backward"] = Loop(copy.deepcopy(base), None, tokens, autocast)
-    samples = time_round_robin({name: loop.train for name, loop in loops.items()}, args.device,
-                               rounds=args.steps, warmup=3)
-    medians = {name: statistics.median(times) for name, times in samples.items()}
-    fwd_bwd = medians.pop("forward + backward")
-    rows = []
-    for name, seconds in medians.items():
-        loop = loops[name]
-        alone = step_alone(loop, max(3, args.steps // 2))
-        exposed = seconds - fwd_bwd
-        rows.append({
-            "bench": "offload-loop", "case": case, "impl": name, "device": args.device,
-            "time_ms": seconds * 1e3, "fwd_bwd_ms": fwd_bwd * 1e3, "step_alone_ms": alone * 1e3,
-            "exposed_ms": exposed * 1e3, "hidden": 1.0 - exposed / alone if alone > 0 else None,
-            "host_bytes_per_param": host_bytes(loop.opt),
-        })
+    model = case.make_model(device)
+    params = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, case.vocab, (case.batch, case.seq), device=device)
+    baseline = Loop(model, tokens, case.autocast, None)
+    fwd_bwd = timed_steps(baseline, steps)
+    rows = [{"bench": "offload-loop", "case": case.name, "impl": "forward + backward", "device": device,
+             "params": params, "time_ms": fwd_bwd * 1e3, **baseline.parts_ms()}]
+    done(rows)
+    for impl, make in case.makers.items():
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        row: dict[str, Any] = {"bench": "offload-loop", "case": case.name, "impl": impl, "device": device,
+                               "params": params}
+        try:
+            loop = Loop(model, tokens, case.autocast, make(list(model.parameters())))
+            timers = Timers()
+            timed = timers.watch(loop.opt)
+            seconds = timed_steps(loop, steps, timers)
+            work = dict(timers.seconds)
+            row.update(copies_per_step(loop, PROFILED_STEPS))
+            held = host_bytes(loop.opt)
+            row.update({
+                "fits": True, "time_ms": seconds * 1e3, "fwd_bwd_ms": fwd_bwd * 1e3,
+                "exposed_ms": (seconds - fwd_bwd) * 1e3, **loop.parts_ms(),
+                "hooks_ms": work["hooks"] * 1e3 / steps if timed["hooks"] else None,
+                "cpu_step_ms": work["cpu step"] * 1e3 / steps if timed["cpu step"] else None,
+                "host_bytes_per_param": None if held is None else held / params,
+                "gpu_peak_bytes_per_param": (
+                    torch.cuda.max_memory_allocated() / params if device == "cuda" else None
+                ),
+            })
+        except torch.cuda.OutOfMemoryError as error:
+            row.update({"fits": False, "error": str(error).splitlines()[0]})
+        finally:
+            loop = timers = None  # the optimizer with them
+            release(model)
+        print(f"{case.name}, {impl}: " + (f"{row['time_ms']:.1f} ms" if row.get("fits") else "out of memory"),
+              flush=True)
+        rows.append(row)
+        done(rows)
     return rows
 
 
-def more_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=8, help="timed training steps per optimizer")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """The targets, from the rows that have what each needs."""
+    by = {(row["case"], row["impl"]): row for row in rows if row.get("fits", True)}
+    lines = []
+
+    def ratio(case: str, a: str, b: str) -> float | None:
+        if (case, a) not in by or (case, b) not in by:
+            return None
+        return by[(case, a)]["time_ms"] / by[(case, b)]["time_ms"]
+
+    def line(label: str, value: float | None, bound: str, met: bool | None) -> None:
+        if value is not None:
+            lines.append(f"target {label}: {value:.2f} ({bound}): {'met' if met else 'NOT met'}")
+
+    gpt2 = "GPT-2 124M, fp32 params, bf16 autocast"
+    delayed = ratio(gpt2, DELAYED, ON_GPU)
+    line("GPT-2 delayed / GPU-only step", delayed, "<= 1.25", delayed is not None and delayed <= 1.25)
+    undelayed = ratio(gpt2, ARRIVAL, ON_GPU)
+    line("GPT-2 offloaded / GPU-only step", undelayed, "<= 1.6", undelayed is not None and undelayed <= 1.6)
+    torchao = ratio(gpt2, TORCHAO, ARRIVAL)
+    line("GPT-2 torchao / fusedamp offloaded step", torchao, ">= 1.5", torchao is not None and torchao >= 1.5)
+    for case in {row["case"] for row in rows}:
+        baseline, offloaded = by.get((case, "forward + backward")), by.get((case, ARRIVAL))
+        if baseline and offloaded:
+            value = offloaded["backward_ms"] / baseline["backward_ms"]
+            line(f"{case}: backward offloaded / without", value, "<= 1.05", value <= 1.05)
+    llama = "Llama 7B, bf16 params, remainder + int8"
+    if (llama, DELAYED) in by:
+        row = by[(llama, DELAYED)]
+        held = row["host_bytes_per_param"]
+        line("Llama 7B host bytes per param", held, "<= 8.1", held <= 8.1)
+        bound = max(row["fwd_bwd_ms"], row["cpu_step_ms"])
+        value = row["time_ms"] / bound
+        line("Llama 7B delayed step / max(forward + backward, CPU step)", value, "<= 1.1", value <= 1.1)
+    return lines
 
 
 def main() -> None:
-    args = benchmark_args(__doc__.splitlines()[0], more_options)
-    if torch.device(args.device).type != "cuda":
-        print("bench_offload_loop trains on a GPU with the optimizer on the host: it needs CUDA")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt2,llama-7b", help="comma-separated: gpt2, llama-7b")
+    parser.add_argument("--steps", type=int, default=8, help="timed training steps per row")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dry-run", action="store_true", help="tiny models, 2 steps, on any device")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if args.device != "cuda" and not args.dry_run:
+        print("bench_offload_loop trains on a GPU with the optimizer on the host: it needs CUDA "
+              "(or --dry-run)")
         raise SystemExit(77)
-    rows = []
-    for case, (dtype, makers) in cases("cuda").items():
-        rows += measure(case, dtype, makers, args)
-    print(format_table(rows, ["case", "impl", "time_ms", "fwd_bwd_ms", "step_alone_ms", "exposed_ms",
-                              "hidden", "host_bytes_per_param"]))
-    write_json(args.json, {"environment": environment("cuda"), "batch": args.batch, "seq": args.seq,
-                           "threads": torch.get_num_threads(), "rows": rows})
+    steps = 2 if args.dry_run else args.steps
+    rows: list[dict[str, Any]] = []
+    environment_ = environment(args.device)
+
+    def targets(finished: list[dict[str, Any]]) -> list[str]:
+        # A dry run's tiny models say nothing about the targets: its verdicts only show the logic.
+        lines = verdicts(finished)
+        return [f"dry run, not a measurement: {line}" for line in lines] if args.dry_run else lines
+
+    def save(before: list[dict[str, Any]], case_rows: list[dict[str, Any]]) -> None:
+        """Writes the rows of the cases done ``before`` and those of the current case so far."""
+        finished = before + case_rows
+        write_json(args.json, {"environment": environment_, "threads": torch.get_num_threads(),
+                               "steps": steps, "rows": finished, "targets": targets(finished)})
+
+    for case in cases(args.models.split(","), args.device, args.dry_run):
+        rows += measure(case, args.device, steps, done=functools.partial(save, list(rows)))
+    print(format_table(rows, ["case", "impl", "time_ms", "exposed_ms", "forward_ms", "backward_ms", "step_ms",
+                              "hooks_ms", "cpu_step_ms", "d2h_ms", "h2d_ms", "host_bytes_per_param",
+                              "gpu_peak_bytes_per_param"]))
+    print("\n".join(targets(rows)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Convergence of the coded optimizer modes on real text: a small byte-level transformer
 language model trained on the Python standard library's own source files (present on every
 machine with Python), fp32 AdamW against each new mode, and plain bf16 params without a master
-as the control, over several seeds; FusedMuon's modes against torch's Muon + AdamW in fp32.
+as the control, over several seeds; FusedMuon's modes against torch's Muon + AdamW in fp32; the
+offloaded fp32 AdamW with the one-step delayed update (after 40 undelayed steps, and from the
+first) against the same without a delay.
 
-Run from the repository root (minutes on 2 CPU cores):
+Run from the repository root (minutes on 2 CPU cores; ``--modes`` picks some, by name):
 
-    python -m benchmarks.convergence [--steps 300] [--seeds 0 1 2] [--json PATH] [--plot PATH]
+    python -m benchmarks.convergence [--steps 300] [--seeds 0 1 2] [--modes ...] [--json PATH] [--plot PATH]
 
 Every run sees the same batches for a seed (the seed also sets the init), so the modes differ
 only in how the optimizer stores its state and rounds its params. The verdict: each new mode's
@@ -51,6 +53,13 @@ MODES: dict[str, dict[str, Any]] = {
     },
     "FusedMuon, int8 momentum, fp32 master": {
         "dtype": torch.bfloat16, "optimizer": "muon", "options": {"moments": "int8"}
+    },
+    # The model on the CPU: the offloaded step's code with plain copies (docs/offload.md).
+    "fp32 AdamW offloaded, delayed update after 40 steps": {
+        "dtype": torch.float32, "options": {"offload": "cpu", "offload_delay": 1, "offload_delay_warmup": 40}
+    },
+    "fp32 AdamW offloaded, delayed update from the first step": {
+        "dtype": torch.float32, "options": {"offload": "cpu", "offload_delay": 1, "offload_delay_warmup": 0}
     },
 }
 REFERENCE, CONTROL = "fp32 AdamW (fp32 params)", "control: bf16 params, no master"
@@ -167,6 +176,8 @@ def verdicts(finals: dict[str, list[float]]) -> list[str]:
     modes): within the reference runs' worst plus MARGIN; the control worse than every fp32 run."""
     lines = []
     for reference in (REFERENCE, MUON_REFERENCE):
+        if reference not in finals:  # no mode of it was trained (--modes)
+            continue
         values = finals[reference]
         spread = max(values) - min(values)
         lines.append(
@@ -219,6 +230,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="the modes to train (each one's reference is added)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -226,10 +239,12 @@ def main() -> None:
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     data = corpus()
-    curves: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    references = {MUON_REFERENCE if MODES[m].get("optimizer") == "muon" else REFERENCE for m in args.modes}
+    modes = [mode for mode in MODES if mode in args.modes or mode in references]
+    curves: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     start = time.perf_counter()
     for seed in args.seeds:
-        for mode in MODES:
+        for mode in modes:
             curves[mode].append(train(mode, seed, data, args.steps, args.batch, args.context, args.lr))
             print(
                 f"seed {seed} {mode}: final {final_loss(curves[mode][-1]):.4f} "
@@ -247,6 +262,7 @@ def main() -> None:
                     "torch": torch.__version__,
                     "threads": torch.get_num_threads(),
                     "cpu": os.uname().machine,
+                    "cpu_isa": fusedamp.build_info()["cpu_isa"],  # the CPU kernels' (FUSEDAMP_CPU_ISAS)
                     "args": {k: str(v) for k, v in vars(args).items()},
                     "margin": MARGIN,
                     "final_losses": finals,

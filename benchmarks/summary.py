@@ -291,19 +291,42 @@ def muon_table(results: dict[str, Any]) -> list[str]:
 
 
 def offload_loop_table(results: dict[str, Any]) -> list[str]:
-    """bench_offload_loop's rows: the training step, its optimizer share, host bytes per param."""
+    """bench_offload_loop's rows: the training step, where its time goes (GPU timeline, host work,
+    copies), host and GPU bytes per param. Results from before that breakdown (a "step alone"
+    per row, the committed cuda-h200.json's) keep their own columns."""
+    rows = [row for row in results["rows"] if row["bench"] == "offload-loop"]
+    if any("step_alone_ms" in row for row in rows):
+        lines = [
+            "| training step | optimizer | ms per step | forward + backward | step alone | exposed "
+            "| host B/param |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for row in rows:
+            host = row.get("host_bytes_per_param")
+            lines.append(
+                f"| {row['case']} | {row['impl']} | {row['time_ms']:.1f} | {row['fwd_bwd_ms']:.1f} "
+                f"| {row['step_alone_ms']:.1f} | {row['exposed_ms']:.1f} | {f'{host:.2f}' if host else '-'} |"
+            )
+        return lines
+
+    def cell(row: dict[str, Any], key: str, digits: int = 1) -> str:
+        value = row.get(key)
+        return "-" if value is None else f"{value:.{digits}f}"
+
     lines = [
-        "| training step | optimizer | ms per step | forward + backward | step alone | exposed "
-        "| host B/param |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| model | optimizer | ms per step | forward | backward | step | hooks (host) | CPU step (host) "
+        "| D2H | H2D | host B/param | GPU peak B/param |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for row in results["rows"]:
-        if row["bench"] != "offload-loop":
+    for row in rows:
+        if not row.get("fits", True):
+            lines.append(f"| {row['case']} | {row['impl']} | out of memory |" + " - |" * 9)
             continue
-        host = row.get("host_bytes_per_param")
         lines.append(
-            f"| {row['case']} | {row['impl']} | {row['time_ms']:.1f} | {row['fwd_bwd_ms']:.1f} "
-            f"| {row['step_alone_ms']:.1f} | {row['exposed_ms']:.1f} | {f'{host:.2f}' if host else '-'} |"
+            f"| {row['case']} | {row['impl']} | {cell(row, 'time_ms')} | {cell(row, 'forward_ms')} "
+            f"| {cell(row, 'backward_ms')} | {cell(row, 'step_ms')} | {cell(row, 'hooks_ms')} "
+            f"| {cell(row, 'cpu_step_ms')} | {cell(row, 'd2h_ms')} | {cell(row, 'h2d_ms')} "
+            f"| {cell(row, 'host_bytes_per_param', 2)} | {cell(row, 'gpu_peak_bytes_per_param', 2)} |"
         )
     return lines
 

@@ -16,6 +16,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,7 +29,7 @@ from conftest import needs_cuda
 from torch import Tensor, nn
 
 import fusedamp
-from fusedamp.optim import _offload
+from fusedamp.optim.offload import buffers, slots, transfers
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("adamw", "sgd")
@@ -90,7 +91,7 @@ def pair(
 ) -> tuple[Any, ...]:
     """(model, optimizer) without offload and (model, optimizer) with, from the same weights."""
     reference, offloaded = Net(dtype).to(device), Net(dtype).to(device)
-    offload_keys = ("offload_gradients", "step_in_backward")
+    offload_keys = ("offload_gradients", "step_in_backward", "offload_delay", "offload_delay_warmup")
     offload_options = {key: options.pop(key) for key in offload_keys if key in options}
     return (
         reference,
@@ -194,38 +195,57 @@ class _Copy:
         stream.append(self)
 
     def complete(self) -> None:
-        while not self.done:  # a stream runs its copies in order
-            first = self.stream.pop(0)
-            first.land()
-            first.done = True
+        with DeferredTransfers.lock:  # the worker thread of a delayed step waits on copies too
+            while not self.done:  # a stream runs its copies in order
+                first = self.stream.pop(0)
+                first.land()
+                first.done = True
 
 
-class DeferredTransfers(_offload._Transfers):
+class DeferredTransfers(transfers.Transfers):
     """The transfers of a GPU, simulated on the CPU: a copy lands only when its event is waited
     on (or, to the device, at the fence), and until then its destination holds NaN. A read of a
     host buffer before its wait, a write of a host copy still being read by a copy to the device,
     or a param read before the fence shows up as NaN in the results."""
+
+    lock = threading.RLock()
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.cuda = device, False
         self.d2h: list[_Copy] = []
         self.h2d: list[_Copy] = []
 
-    def to_host(self, host: Tensor, source: Tensor, after: Any = None) -> Any:
-        self.wait(after)
-        value = source.detach().clone()  # the device runs the copy after the work queued so far
-        host.fill_(float("nan"))
-        return _Copy(self.d2h, lambda: host.copy_(value))
+    def to_host(self, hosts: Any, sources: Any, after: Any = (), free: bool = False) -> Any:
+        if not hosts:
+            return None
+        for event in after:
+            self.wait(event)
+        # The device runs the copies after the work queued so far.
+        values = [source.detach().clone() for source in sources]
+        for host in hosts:
+            host.fill_(float("nan"))
 
-    def to_device(self, target: Tensor, host: Tensor, after: Any = None) -> Any:
-        self.wait(after)
-        target.fill_(float("nan"))  # bumps the param's version when queued, as copy_ does
+        def land() -> None:
+            torch._foreach_copy_(list(hosts), values)
+
+        with self.lock:
+            return _Copy(self.d2h, land)
+
+    def to_device(self, targets: Any, hosts: Any, after: Any = ()) -> Any:
+        if not targets:
+            return None
+        for event in after:
+            self.wait(event)
+        for target in targets:
+            target.fill_(float("nan"))  # bumps the param's version when queued, as copy_ does
 
         def land() -> None:
             with torch.no_grad():
-                target.data.copy_(host)  # reads the host copy when the copy runs
+                for target, host in zip(targets, hosts, strict=True):
+                    target.data.copy_(host)  # reads the host copy when the copy runs
 
-        return _Copy(self.h2d, land)
+        with self.lock:
+            return _Copy(self.h2d, land)
 
     @staticmethod
     def wait(event: Any) -> None:
@@ -233,15 +253,16 @@ class DeferredTransfers(_offload._Transfers):
             event.complete()
 
     def fence(self) -> None:
-        if self.h2d:
-            self.h2d[-1].complete()
+        for stream in (self.h2d, self.d2h):
+            if stream:
+                stream[-1].complete()
 
 
 @pytest.fixture(params=["copies", "deferred"])
 def transfers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test with plain copies, then with DeferredTransfers."""
     if request.param == "deferred":
-        monkeypatch.setattr(_offload, "_Transfers", DeferredTransfers)
+        monkeypatch.setattr(slots, "Transfers", DeferredTransfers)
     return request.param
 
 
@@ -283,7 +304,7 @@ def test_offloaded_steps_are_bitwise_the_steps_without_offload(
         train(reference, opt, range(step, step + 1))
         train(offloaded, offloaded_opt, range(step, step + 1))
         assert_same(reference, opt, offloaded, offloaded_opt)
-    counts = offloaded_opt._offload.counts
+    counts = offloaded_opt._executor.counts
     assert counts["grads copied in backward"] == 6 * STEPS and counts["grads copied in step"] == 0
     assert counts["params copied to the host"] == 6  # once, at the first backward
     if max_grad_norm is not None:
@@ -331,7 +352,7 @@ def test_layouts_and_dtypes_torch_takes(kind: str, transfers: str) -> None:
         assert_same_bits(x, y)
     assert b[0].is_contiguous(memory_format=torch.channels_last)
     assert_same_bits(opt.state_dict(), offloaded.state_dict())
-    assert offloaded._offload.counts["grads copied in step"] == 15  # grads set by hand
+    assert offloaded._executor.counts["grads copied in step"] == 15  # grads set by hand
 
 
 @pytest.mark.parametrize(
@@ -396,7 +417,7 @@ def test_grad_scalers_unscale_skip_and_clip(kind: str, scaler: str, clip: str | 
     assert_same(reference, opt, offloaded, offloaded_opt)
     assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**11  # up, down at the inf, up
     assert offloaded_opt.state_dict()["state"][0]["step"] == 4  # one of five skipped
-    counts = offloaded_opt._offload.counts
+    counts = offloaded_opt._executor.counts
     assert counts["grads copied in step"] == (6 * 5 if clip == "by hand" else 1)
 
 
@@ -410,8 +431,8 @@ def test_gradient_accumulation(kind: str, no_sync: bool, transfers: str) -> None
     for model, o in ((reference, opt), (offloaded, offloaded_opt)):
         train(model, o, range(3), micro_batches=3, no_sync=no_sync)
     assert_same(reference, opt, offloaded, offloaded_opt)
-    assert offloaded_opt._offload.counts["grads copied in backward"] == 6 * 3 * (1 if no_sync else 3)
-    assert offloaded_opt._offload.counts["grads copied in step"] == 0
+    assert offloaded_opt._executor.counts["grads copied in backward"] == 6 * 3 * (1 if no_sync else 3)
+    assert offloaded_opt._executor.counts["grads copied in step"] == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -515,7 +536,7 @@ def test_params_edited_between_steps_are_picked_up(kind: str, transfers: str) ->
     assert_same(reference, opt, offloaded, offloaded_opt)
     # At the first step every param, then the clamped one, the six loaded ones, the replaced one,
     # the one changed after backward.
-    assert offloaded_opt._offload.counts["params copied to the host"] == 6 + 1 + 6 + 1 + 1
+    assert offloaded_opt._executor.counts["params copied to the host"] == 6 + 1 + 6 + 1 + 1
 
 
 def test_torch_state_dict_master_of_and_state_bytes() -> None:
@@ -539,7 +560,7 @@ def test_torch_state_dict_master_of_and_state_bytes() -> None:
 def test_host_bytes_per_param(master_weights: str, limit: float) -> None:
     """Host memory of bf16 params with int8 moments, measured from the tensors after a step
     (state_bytes: the state, the host copies of the params and the grad buffers as allocated):
-    8.03 B/param with an exact fp32 master, 6.03 with stochastic rounding (DeepSpeed's
+    8.02 B/param with an exact fp32 master, 6.02 with stochastic rounding (DeepSpeed's
     ZeRO-Offload holds 16)."""
     model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024)).to(torch.bfloat16)
     opt = fusedamp.FusedAdamW(
@@ -637,7 +658,7 @@ def test_step_in_backward(
     for (model, o), scheduler in zip(((reference, opt), (offloaded, offloaded_opt)), schedulers, strict=True):
         train(model, o, range(4), micro_batches=2, no_sync=True, scheduler=scheduler)
     assert_same(reference, opt, offloaded, offloaded_opt)
-    counts = offloaded_opt._offload.counts
+    counts = offloaded_opt._executor.counts
     assert counts["params stepped in backward"] == counts["params stepped"] == 6 * 4
 
 
@@ -759,7 +780,7 @@ def ddp_offload_worker(rank: int, port: int, out_dir: str) -> None:
                     scaler.update()
                 results[str(offload)] = [param.detach().clone() for param in model.parameters()]
                 if offload is not None:
-                    results["counts"] = dict(opt._offload.counts)
+                    results["counts"] = dict(opt._executor.counts)
             results["fsdp2"] = fsdp2_cpu_offload_policy(rank)
             torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
             dist.barrier()
@@ -846,7 +867,7 @@ def test_cuda_offload_is_the_cpu_step_bitwise(kind: str, mode: tuple[torch.dtype
             o.step()
     assert_same(cpu_model, opts[0], gpu_offloaded, opts[2])
     assert_same(gpu_model, opts[1], gpu_offloaded, opts[2])
-    offload = opts[2]._offload
+    offload = opts[2]._executor
     assert offload.counts["grads copied in backward"] == 6 * STEPS
     assert offload.counts["grads copied in step"] == 0
     assert all(slot.host.is_pinned() and slot.grad.is_pinned() for slot in offload.slots)
@@ -914,10 +935,10 @@ def test_cuda_step_in_backward_and_the_next_forward() -> None:
             exact_loss(model, [c.cuda() for c in coefficients(model, step)]).backward()
             o.step()
             if o is offloaded_opt:
-                for slot in o._offload.slots:
+                for slot in o._executor.slots:
                     assert torch.equal(slot.param.cpu(), slot.host)
     assert_same(reference, opt, offloaded, offloaded_opt)
-    assert offloaded_opt._offload.counts["params stepped in backward"] == 6 * 3
+    assert offloaded_opt._executor.counts["params stepped in backward"] == 6 * 3
 
 
 @needs_cuda
@@ -950,19 +971,19 @@ def test_cuda_copies_overlap_backward_and_the_cpu_step() -> None:
     assert len(to_host) >= layers and len(to_device) >= layers
     assert min(to_host) < max(kernels)
     assert min(to_device) < step.time_range.end
-    assert opt._offload.counts["grads copied in step"] == 0
+    assert opt._executor.counts["grads copied in step"] == 0
 
 
 def test_host_buffers_are_storages_that_start_on_a_page() -> None:
     """Each allocation of host buffers is a storage of its own that starts on a page: what
     cudaHostRegister locks, and what torch's is_pinned() asks CUDA about (a storage's first byte)."""
-    buffers = _offload._HostBuffers(pin=False)
+    host_buffers = buffers.HostBuffers(pin=False)
     specs = [(torch.Size([3, 5]), (5, 1), torch.float32), (torch.Size([7]), (1,), torch.bfloat16)]
-    first, second = buffers.allocate(specs)
-    block = buffers.blocks[0]
+    first, second = host_buffers.allocate(specs)
+    block = host_buffers.blocks[0]
     assert block.untyped_storage().data_ptr() == block.data_ptr() and block.data_ptr() % 4096 == 0
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr() == block.data_ptr()
     first.fill_(2.0)
     second.fill_(3.0)
-    del buffers, block
+    del host_buffers, block
     assert first.sum().item() == 30.0 and second.sum().item() == 21.0

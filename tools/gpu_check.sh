@@ -16,7 +16,9 @@
 # stage's cap (default 150 s; each module may take all of it but 50 s: bench_optim needs about
 # 240 s on an H200, its torchao peer most of it, so it gets a call of its own:
 # GPU_CHECK_STAGES=benchmarks GPU_CHECK_BENCHMARKS=optim GPU_CHECK_BENCHMARK_S=300);
-# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun).
+# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun);
+# GPU_CHECK_TESTS the CUDA tests to some files (default: all of tests/, e.g. "tests/test_offload.py
+# tests/test_offload_overlap.py"; CONTRIBUTING.md has the call for the offloaded training benchmark).
 # Everything lands in $OUT, at most 8 files, to copy back from the GPU machine: summary.json
 # (environment + per-stage status, always written, also when a stage fails), build.log,
 # tests.log (tests and sanitizer), cuda_tests.xml, gemm_tests.xml, benchmarks.log (benchmarks and
@@ -33,6 +35,7 @@ export TORCH_CUDA_ARCH_LIST="${GPU_CHECK_ARCHS:-8.0;9.0a}" FUSEDAMP_CUDA=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}" PYTHONUNBUFFERED=1
 BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
 STAGES_WANTED="${GPU_CHECK_STAGES:-}"
+read -r -a TESTS <<< "${GPU_CHECK_TESTS:-tests}"
 DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
 CARRIED="${GPU_CHECK_CARRIED_BUILD:-.device_build}"
 START=$(date +%s)
@@ -161,7 +164,7 @@ fi
 
 status=0
 stage cuda_tests 240 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
-  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py tests || status=1
+  --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py "${TESTS[@]}" || status=1
 stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
   tests/test_gemm_cuda.py || status=1
 

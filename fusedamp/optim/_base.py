@@ -11,8 +11,9 @@ step, and a grad stored in another order than its param through a copy in the pa
 Complex params are stepped as pairs of reals, as torch.optim does. float64 (and complex128)
 buckets, which the fused kernels do not take, run torch's own ops (:meth:`_step_native`).
 
-With ``offload="cpu"`` the state and the step live on the host and the params and grads stay on
-their device: _offload.py moves the grads and params and runs the same buckets on host copies.
+step() computes the AMP scalars once and hands the buckets to an executor (_executor.py): stepped
+in place, or with ``offload="cpu"`` on the host (fusedamp.optim.offload), where the state lives and
+the same buckets run on host copies of the params and grads.
 
 Master weights live in _masters.py, the per-bucket step pieces in _step.py, the read-only
 pass and clipping in _clipping.py.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from itertools import chain
 from typing import Any
 
@@ -32,8 +33,9 @@ from torch import Tensor
 
 from fusedamp import _dtensor
 from fusedamp._layout import has_kernel, is_dense, like, real_view
-from fusedamp.optim import _codecs, _dtensor_state, _offload
+from fusedamp.optim import _codecs, _dtensor_state
 from fusedamp.optim._clipping import check_and_norm, clip_coefficient
+from fusedamp.optim._executor import Executor
 from fusedamp.optim._masters import (
     HALF_DTYPES,
     MASTER_KEY,
@@ -44,7 +46,8 @@ from fusedamp.optim._masters import (
     state_dtype,
 )
 from fusedamp.optim._plan import StepPlan, op_call
-from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts, on_device
+from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts
+from fusedamp.optim.offload import DELAYED_KEY, OffloadExecutor, OffloadOptions
 
 __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
@@ -96,15 +99,13 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         defaults: dict[str, Any],
         max_grad_norm: float | None,
-        offload: _offload.OffloadTarget | None = None,
-        offload_gradients: bool = False,
-        step_in_backward: bool = False,
+        offload: OffloadOptions | None = None,
     ) -> None:
+        """``offload``: the checked offload keywords (OffloadOptions.checked), None without offload."""
         if max_grad_norm is not None and not 0.0 < max_grad_norm:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
-        _offload.check_options(offload, offload_gradients, step_in_backward, max_grad_norm)
-        # The host side of an offloaded optimizer (_offload.py); made once the groups exist.
-        self._offload: _offload.Offload | None = None
+        # Where the buckets are stepped (_executor.py): in place; offloaded once the groups exist.
+        self._executor: Executor = Executor(self)
         super().__init__(params, defaults)
         self._check_hyperparameters()
         self.max_grad_norm = max_grad_norm
@@ -116,7 +117,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         # right after without checking it again (fusedamp.GradScaler.step clears it).
         self._checked_plan: StepPlan | None = None
         if offload is not None:
-            self._offload = _offload.Offload(self, offload_gradients, step_in_backward)
+            self._executor = OffloadExecutor(self, offload)
 
     # Whether sparse grads are taken (torch.optim.SGD takes them, AdamW refuses them).
     _takes_sparse_grads = False
@@ -193,8 +194,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                     f"master_weights='remainder' needs bfloat16 params; {where} is float16 "
                     "(use master_weights=True for float16 params)"
                 )
-        if getattr(self, "_offload", None) is not None:
-            self._offload.add_params(group["params"], group)
+        self._executor.add_params(group["params"], group)
 
     def _index_params(self) -> None:
         # A param's position in the optimizer (over all groups, as state_dict numbers them): the
@@ -211,17 +211,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         return index
 
     def __getstate__(self) -> dict[str, Any]:
-        if self.__dict__.get("_offload") is not None:
-            raise TypeError(
-                f"an offloaded {type(self).__name__} holds backward hooks, streams and host buffers "
-                "and cannot be pickled or deep-copied; save its state_dict() instead"
-            )
+        self._executor.check_picklable(type(self).__name__)
         # torch.optim pickles (and deep-copies) only defaults, state and param_groups.
         return {**super().__getstate__(), "max_grad_norm": self.max_grad_norm}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_offload", None)
+        if "_executor" not in self.__dict__:  # unpickled
+            self._executor = Executor(self)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("_pending_clip_coef", None)
         self._plan = self._checked_plan = None
@@ -320,7 +317,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         state = self.state.get(param, {})
         if MASTER_KEY in state:
             return state[MASTER_KEY]
-        stepped = param if self._offload is None else self._offload.host_of(param)
+        stepped = self._executor.stepped(param)
         if REMAINDER_KEY in state:
             return join_bf16_remainder(stepped, state[REMAINDER_KEY])
         return stepped.detach().float()
@@ -328,9 +325,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     def _state_like(self, param: Tensor) -> Tensor:
         """The tensor whose device and layout the state of ``param`` takes: the host copy of an
         offloaded optimizer, a DTensor's local shard, else ``param``."""
-        if self._offload is not None:
-            return self._offload.host_of(param)
-        return _dtensor.local(param)
+        return self._executor.state_like(param)
 
     def _indexed_params(self) -> list[Tensor]:
         """The params in the order state_dict() numbers them."""
@@ -345,14 +340,19 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         the float32 block scales of 8-bit moments become a uint8 DTensor of each element's scale
         exponent (see _dtensor_state.py), so that torch.distributed.checkpoint saves and reshards
         it; ``step`` stays a plain tensor. The state of plain params is as the optimizer holds it.
+
+        With ``offload_delay=1`` a param whose last update is not in it yet (the next forward does
+        not see it) has that update under ``"delayed_param"``: the param as the optimizer made it.
         """
-        if self._offload is not None:
-            self._offload.drain()
+        self._executor.drain()
         state_dict = super().state_dict()
         packed = state_dict["state"]
+        delayed = self._executor.delayed_params()
         for index, param in enumerate(self._indexed_params()):
             if _dtensor.is_dtensor(param) and index in packed:
                 packed[index] = _dtensor_state.dtensor_entries(packed[index], param, f"param {index}")
+            if id(param) in delayed:  # a new dict: packed[index] is the optimizer's own state
+                packed[index] = {**packed.get(index, {}), DELAYED_KEY: delayed[id(param)]}
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -364,21 +364,21 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         state_dict) are made from the params at the next step.
 
         The state of a DTensor param must be DTensors on the param's mesh, placements and shape
-        (this rank's shard is taken); per-element scale exponents of 8-bit moments are made into
+        (this rank's shard is taken); the per-element scales of 8-bit moments are made into
         the local blocks' codes and scales (see state_dict). A plain tensor for a DTensor param
         (the rank-local form) is refused with a ValueError.
 
-        An offloaded optimizer puts the state on the host, like each param's host copy.
+        An offloaded optimizer puts the state on the host, like each param's host copy. A
+        ``"delayed_param"`` entry (see state_dict) goes back where it was with ``offload_delay=1``
+        (the param keeps the value the model's checkpoint gave it, and takes the update at the
+        next step: load the model first); without a delay the param takes it now.
         """
         state_dict = self._local_state_dict(state_dict)
-        if self._offload is None:
-            super().load_state_dict(state_dict)
-        else:
-            # torch would first copy every state tensor onto its param's device; the state is
-            # made on the host below instead.
-            self._offload.drain()
-            super().load_state_dict({**state_dict, "state": {}})
-            self._offload.regroup()
+        self._executor.drain()
+        # torch would first copy every state tensor onto its param's device and cast it to the
+        # param's dtype; the state is made below from the saved values instead.
+        super().load_state_dict({**state_dict, "state": {}})
+        self._executor.after_load()
         self._plan = self._checked_plan = None
         # torch casts every floating state tensor to its param's dtype, which would round the
         # fp32 moments and masters of half params: redo the cast from the saved values.
@@ -391,6 +391,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             state = self.state[param]
             local_param = self._state_like(param)
             device = local_param.device
+            saved = dict(saved)
+            delayed = saved.pop(DELAYED_KEY, None)
             for key, value in saved.items():
                 if key == "step":
                     state[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
@@ -410,12 +412,14 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                         state[key] = value.to(
                             device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True
                         )
-                elif self._offload is not None:
+                else:
                     state[key] = value  # a plain value (torch's load_state_dict ran without the state)
             # A torch.optim state (fp32 moments) is quantized into the group's codec now, so that
             # state_dict() and torch_state_dict() show what the next step will use.
             moment_keys = tuple(key for key in saved if key not in (MASTER_KEY, REMAINDER_KEY))
             _codecs.convert(state, moment_keys, group["moments"], state_dtype(param.dtype))
+            if delayed is not None:
+                self._executor.load_delayed(param, delayed)
 
     def _local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` with each param's state in the local form the optimizer keeps (see
@@ -460,8 +464,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 else:
                     kind = "moments"
                 totals[kind] += local.numel() * local.element_size()
-        if self._offload is not None:
-            totals.update(self._offload.buffer_bytes(sum(totals.values())))
+        totals.update(self._executor.buffer_bytes(sum(totals.values())))
         return totals
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -480,7 +483,7 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             param = params[index]
             entry: dict[str, Any] = {}
             for key, value in saved.items():
-                if key in (MASTER_KEY, REMAINDER_KEY) or key.endswith(_codecs.SCALES_SUFFIX):
+                if key in (MASTER_KEY, REMAINDER_KEY, DELAYED_KEY) or key.endswith(_codecs.SCALES_SUFFIX):
                     continue
                 coded = isinstance(value, Tensor) and value.dtype in (torch.uint8, torch.bfloat16)
                 if coded and key != "step":
@@ -506,42 +509,40 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             with torch.enable_grad():
                 loss = closure()
         grad_scale: Tensor | None = getattr(self, "grad_scale", None)
-        found_inf: Tensor | None = getattr(self, "found_inf", None)
+        found_inf: Tensor | float | None = getattr(self, "found_inf", None)
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         self._check_hyperparameters()
-        if self._offload is not None:
-            self._offload.step(inv_scale, found_inf, scaled=grad_scale is not None)
-            return loss
-        checked, self._checked_plan = self._checked_plan, None
-        buckets = self._planned_buckets(checked)
+        executor = self._executor
+        work = executor.prepare(found_inf, scaled=grad_scale is not None)
+        # torch.amp.GradScaler's found_inf of no grads at all is the number 0.
+        found_inf = found_inf if isinstance(found_inf, Tensor) else None
         clip_coef, self._pending_clip_coef = self._pending_clip_coef, None
-        if clip_coef is None and self.max_grad_norm is not None and buckets:
-            _, sums = self._check_and_norm(inv_scale)
+        if clip_coef is None and self.max_grad_norm is not None and work:
+            _, sums = executor.check_and_norm(inv_scale, with_norm=True)
             clip_coef = self._clip_coef(sums)
-        per_device: dict[torch.device, AmpScalars] = {}
-        for bucket in buckets:
-            scalars = per_device.get(bucket.device)
-            if scalars is None:
-                scalars = AmpScalars(
-                    on_device(inv_scale, bucket.device), on_device(found_inf, bucket.device),
-                    on_device(clip_coef, bucket.device),
-                )
-                per_device[bucket.device] = scalars
-            (self._step_native if bucket.native else self._step_bucket)(bucket, scalars)
-            for original, work in bucket.write_backs:
-                original.copy_(work)
-            if scalars.writes_grads(bucket.group["write_unscaled_grads"]):
-                for original, work in bucket.grad_write_backs:
-                    original.copy_(work)
+        executor.run(work, AmpScalars(inv_scale, found_inf, clip_coef))
         return loss
 
+    def _run_bucket(self, bucket: Bucket, scalars: AmpScalars, write_grads: bool = True) -> None:
+        """Steps ``bucket`` with ``scalars`` (on its device) and writes back what it stepped through
+        copies; ``write_grads=False``: the step writes no grads (an offloaded step's host grads)."""
+        if bucket.native:
+            self._step_native(bucket, scalars)
+        elif write_grads:
+            self._step_bucket(bucket, scalars)
+        else:
+            self._step_bucket(bucket, scalars, write_unscaled_grads=False)
+        for original, work in bucket.write_backs:
+            original.copy_(work)
+        if write_grads and scalars.writes_grads(bucket.group["write_unscaled_grads"]):
+            for original, work in bucket.grad_write_backs:
+                original.copy_(work)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch.optim's zero_grad; offloaded, the host grad buffers follow (see _offload.py)."""
-        if self._offload is not None:
-            self._offload.drain()
+        """torch.optim's zero_grad; offloaded, the host grad buffers follow (docs/offload.md)."""
+        self._executor.before_zero_grad(set_to_none)
         super().zero_grad(set_to_none)
-        if self._offload is not None:
-            self._offload.zero_grad(set_to_none)
+        self._executor.after_zero_grad(set_to_none)
 
     def offload_no_sync(self) -> AbstractContextManager[None]:
         """A context in which backward leaves the grads on the params' device, where they add up:
@@ -555,7 +556,17 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         ...         loss_fn(model(batch)).backward()
         >>> opt.step()
         """
-        return nullcontext() if self._offload is None else self._offload.no_sync()
+        return self._executor.no_sync()
+
+    def offload_flush(self) -> None:
+        """With ``offload_delay=1``: waits for the delayed step and copies its update into the
+        params, so that the next forward (an evaluation, a saved model) sees every update; the
+        training after it goes on delayed. A no-op otherwise (docs/offload.md).
+
+        >>> opt.offload_flush()
+        >>> torch.save(model.state_dict(), "model.pt")  # with the last step's update
+        """
+        self._executor.flush()
 
     def _grads(self) -> Iterable[tuple[dict[str, Any], Tensor, Tensor]]:
         """(group, param, grad) for every param that has a grad."""
@@ -580,6 +591,12 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 f"shape {tuple(param.shape)}; each grad must have its param's shape"
             )
         return grad
+
+    def _buckets_of_step(self) -> list[Bucket]:
+        """The buckets step() updates in place: the step plan's, trusted without a check when the
+        read-only pass just found it fitting (see _checked_plan)."""
+        checked, self._checked_plan = self._checked_plan, None
+        return self._planned_buckets(checked)
 
     def _planned_buckets(self, checked: StepPlan | None = None) -> list[Bucket]:
         """The buckets of this step: the step plan's while it fits (see _plan.py; `checked`: a
@@ -654,10 +671,8 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         (``grad * inv_scale``), and the next step() clips with it instead of reading the
         grads again.
         """
-        if self._offload is not None and self._offload.offload_gradients:
-            found, sums = self._offload.device_checks(inv_scale, self.max_grad_norm is not None)
-        else:
-            found, sums = self._check_and_norm(inv_scale, remember_plan=True)
+        with_norm = self.max_grad_norm is not None
+        found, sums = self._executor.check_and_norm(inv_scale, with_norm, remember_plan=True)
         if self.max_grad_norm is not None and sums:
             self._pending_clip_coef = self._clip_coef(sums)
         return found
@@ -671,11 +686,10 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
         return plan is self._checked_plan or plan.fits(self)
 
     def _check_and_norm(
-        self, inv_scale: Tensor | None, remember_plan: bool = False
+        self, inv_scale: Tensor | None, with_norm: bool, remember_plan: bool = False
     ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
-        """found_inf (and the squared-norm sums) per device; `remember_plan`: a step plan found
-        fitting is trusted by the next step() (see _checked_plan)."""
-        with_norm = self.max_grad_norm is not None
+        """found_inf (and ``with_norm`` the squared-norm sums) per device; `remember_plan`: a step
+        plan found fitting is trusted by the next step() (see _checked_plan)."""
         if self._fusedamp_plain_grads():
             if remember_plan:
                 self._checked_plan = self._plan

@@ -72,6 +72,40 @@ def same_signature(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return a[0] == b[0] and a[1] == b[1] and all(map(_same, a[2], b[2]))
 
 
+class BuiltFrom:
+    """What a plan's buckets were built from besides the grads: the optimizer's state dict and the
+    state dicts the buckets hold, its param groups, each group's param list and signature.
+
+    >>> built_from = BuiltFrom(opt, [state for bucket in buckets for state in bucket.states])
+    >>> built_from.unchanged(opt)
+    True
+    """
+
+    def __init__(self, optimizer: PlannedOptimizer, states: list[dict[str, Any]]) -> None:
+        self.state = optimizer.state
+        self.groups = [
+            (group, group["params"], group_signature(optimizer, group)) for group in optimizer.param_groups
+        ]
+        self.same_objects = _C.IdentityWatch(
+            [self.state, *states], [group_params for _, group_params, _ in self.groups]
+        )
+
+    @staticmethod
+    def plannable(optimizer: PlannedOptimizer) -> bool:
+        """Whether a plan can watch the groups: each one's params are a list."""
+        return all(type(group["params"]) is list for group in optimizer.param_groups)
+
+    def unchanged(self, optimizer: PlannedOptimizer) -> bool:
+        if optimizer.state is not self.state or len(optimizer.param_groups) != len(self.groups):
+            return False
+        for group, (planned, params, signature) in zip(optimizer.param_groups, self.groups, strict=True):
+            if group is not planned or group["params"] is not params:
+                return False
+            if not same_signature(group_signature(optimizer, group), signature):
+                return False
+        return self.same_objects.unchanged()
+
+
 class StepPlan:
     """The buckets of one step and what they were built from; see the module docstring.
 
@@ -82,18 +116,11 @@ class StepPlan:
 
     def __init__(self, optimizer: PlannedOptimizer, buckets: list[Bucket]) -> None:
         self.buckets = buckets
-        self.state = optimizer.state
-        self.groups = [
-            (group, group["params"], group_signature(optimizer, group)) for group in optimizer.param_groups
-        ]
-        params = [param for _, group_params, _ in self.groups for param in group_params]
-        self.watch = _C.GradWatch(params, [param.grad for param in params])
         # Which params have a state (and which dict), every entry of those dicts, and the params
         # of each group.
-        self.same_objects = _C.IdentityWatch(
-            [self.state, *(state for bucket in buckets for state in bucket.states)],
-            [group_params for _, group_params, _ in self.groups],
-        )
+        self.built_from = BuiltFrom(optimizer, [state for bucket in buckets for state in bucket.states])
+        params = [param for _, group_params, _ in self.built_from.groups for param in group_params]
+        self.watch = _C.GradWatch(params, [param.grad for param in params])
         # The read-only pass takes the grads in _grads()'s order, as without a plan.
         grads_by_device: dict[torch.device, list[Tensor]] = {}
         for param in params:
@@ -113,7 +140,7 @@ class StepPlan:
         """The plan of ``buckets`` (just made by ``optimizer._buckets()``), or None when some
         bucket steps copies or views of the user's tensors, which are made anew each step (or a
         group's params are not a list, which the plan watches)."""
-        if not all(type(group["params"]) is list for group in optimizer.param_groups):
+        if not BuiltFrom.plannable(optimizer):
             return None
         for bucket in buckets:
             if bucket.native or bucket.complex or bucket.write_backs or bucket.grad_write_backs:
@@ -127,14 +154,7 @@ class StepPlan:
 
     def fits(self, optimizer: PlannedOptimizer) -> bool:
         """Whether the buckets are still those ``optimizer._buckets()`` would make now."""
-        if optimizer.state is not self.state or len(optimizer.param_groups) != len(self.groups):
-            return False
-        for group, (planned, params, signature) in zip(optimizer.param_groups, self.groups, strict=True):
-            if group is not planned or group["params"] is not params:
-                return False
-            if not same_signature(group_signature(optimizer, group), signature):
-                return False
-        return self.same_objects.unchanged() and self.watch.fits()
+        return self.built_from.unchanged(optimizer) and self.watch.fits()
 
     def check_and_norm(
         self, inv_scale: Tensor | None, with_norm: bool

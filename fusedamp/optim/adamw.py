@@ -11,8 +11,8 @@ from torch import Tensor
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
-from fusedamp.optim._offload import OffloadTarget
 from fusedamp.optim._step import AmpScalars, Bucket, lr_for_device, native_grads
+from fusedamp.optim.offload import DELAY_WARMUP, OffloadOptions, OffloadTarget
 
 __all__ = ["FusedAdamW"]
 
@@ -36,13 +36,15 @@ class FusedAdamW(FusedOptimizer):
     - ``moments``: how ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are stored:
       ``"fp32"`` (default), ``"bf16"``, or ``"int8"``: 8-bit block codes (uint8, a code
       relative to a bfloat16 scale per block of 256 elements, under ``"<key>_scales"``, with
-      the most precision near the block's largest value), about 1 byte per element. bf16 and int8 moments are stored rounded
-      stochastically (unbiased, with bits from the hash ``seed`` keys), so that changes smaller
-      than their resolution are kept on average and long runs track fp32 moments. float64 and
-      complex params keep torch's own step and need ``"fp32"``. ``state_bytes()`` measures what
-      the state holds; ``torch_state_dict()`` exports float32 moments for ``torch.optim.AdamW``.
+      the most precision near the block's largest value), about 1 byte per element. bf16 and
+      int8 moments are stored rounded stochastically (unbiased, with bits from the hash ``seed``
+      keys), so that changes smaller than their resolution are kept on average and long runs
+      track fp32 moments. float64 and complex params keep torch's own step and need
+      ``"fp32"``. ``state_bytes()`` measures what the state holds; ``torch_state_dict()``
+      exports float32 moments for ``torch.optim.AdamW``.
       ``state_dict()`` holds the state of DTensor (FSDP2) params as DTensors, the 8-bit scales
-      as per-element exponents, for torch.distributed.checkpoint (docs/distributed-checkpoint.md).
+      as a bfloat16 scale per element, for torch.distributed.checkpoint
+      (docs/distributed-checkpoint.md).
     - ``seed``: the seed of stochastic rounding (an int, kept in the param groups, so it is
       part of ``state_dict()``).
     - ``max_grad_norm``: clip the grads to this global L2 norm (over every param of the
@@ -53,12 +55,15 @@ class FusedAdamW(FusedOptimizer):
       it used back into ``.grad`` as torch does (default); ``False`` saves that write for code
       that zeroes the grads right after the step.
     - ``offload="cpu"``: the state and the step on the host, the params and grads on their
-      device (one CUDA device); each grad goes to the host as backward makes it and the params
-      come back while the CPU steps the rest, with the same bits as without offload.
-      ``offload_gradients=True`` frees each grad on the device once it is on the host;
-      ``step_in_backward=True`` steps each param as soon as its grad landed (no clipping, no
-      GradScaler); ``offload_no_sync()`` marks the micro-batches of gradient accumulation before
-      the last. See docs/offload.md.
+      device (one CUDA device); the grads go to the host in buckets as backward makes them, the
+      CPU steps the params in the order their grads land and they come back while it steps the
+      rest, with the same bits as without offload. ``offload_gradients=True`` frees each grad on
+      the device once it is on the host; ``step_in_backward=True`` steps each param as soon as its
+      grad landed (no clipping, no GradScaler); ``offload_delay=1`` delays each update by one
+      step (after ``offload_delay_warmup`` applied steps, default 40), so that the CPU step runs
+      during the next forward and backward, ZeRO-Offload's delayed parameter update;
+      ``offload_no_sync()`` marks the micro-batches of gradient accumulation before the last,
+      ``offload_flush()`` puts a delayed update into the params now. See docs/offload.md.
 
     ``lr`` may be a float or a one-element tensor. Under a ``torch.amp.GradScaler`` or
     ``fusedamp.GradScaler``, ``scaler.step(opt)`` unscales, checks for inf/NaN and (optionally)
@@ -97,6 +102,8 @@ class FusedAdamW(FusedOptimizer):
         offload: OffloadTarget | None = None,
         offload_gradients: bool = False,
         step_in_backward: bool = False,
+        offload_delay: int = 0,
+        offload_delay_warmup: int = DELAY_WARMUP,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= eps:
@@ -120,7 +127,10 @@ class FusedAdamW(FusedOptimizer):
             "seed": seed,
             **torch_flags(foreach, fused, capturable, differentiable),
         }
-        super().__init__(params, defaults, max_grad_norm, offload, offload_gradients, step_in_backward)
+        offload_options = OffloadOptions.checked(
+            offload, offload_gradients, step_in_backward, offload_delay, offload_delay_warmup, max_grad_norm
+        )
+        super().__init__(params, defaults, max_grad_norm, offload_options)
 
     def _check_hyperparameters(self) -> None:
         super()._check_hyperparameters()

@@ -15,7 +15,6 @@ from fusedamp import _dtensor
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
-from fusedamp.optim._offload import OffloadTarget
 from fusedamp.optim._plan import op_call
 from fusedamp.optim._step import AmpScalars, Bucket, advance_steps, lr_for_device, native_grads
 from fusedamp.optim.adamw import (
@@ -25,6 +24,7 @@ from fusedamp.optim.adamw import (
     adamw_step_native,
     check_adamw_groups,
 )
+from fusedamp.optim.offload import DELAY_WARMUP, OffloadOptions, OffloadTarget
 
 __all__ = ["FusedMuon", "muon_param_groups", "orthogonalize"]
 
@@ -78,10 +78,11 @@ class FusedMuon(FusedOptimizer):
     plus fusedamp's options as in :class:`fusedamp.FusedAdamW`: ``master_weights`` (fp32,
     ``"remainder"`` or ``"stochastic"`` for half params), ``moments`` (the momentum buffers and
     the AdamW groups' moments in ``"fp32"``, ``"bf16"`` or ``"int8"``), ``max_grad_norm`` (one
-    clip over every grad of the optimizer), ``write_unscaled_grads``, ``seed``, ``offload``, and
-    both GradScalers (a step with inf/NaN grads changes nothing). int8 momentum buffers track fp32
-    ones within 3% up to momentum 0.99; above it they fall short (a warning says so), and
-    ``moments="bf16"`` is the mode to pick there.
+    clip over every grad of the optimizer), ``write_unscaled_grads``, ``seed``, the offload
+    keywords (``offload``, ``offload_gradients``, ``step_in_backward``, ``offload_delay``,
+    ``offload_delay_warmup``), and both GradScalers (a step with inf/NaN grads changes nothing).
+    int8 momentum buffers track fp32 ones within 3% up to momentum 0.99; above it they fall short
+    (a warning says so), and ``moments="bf16"`` is the mode to pick there.
 
     A group with ``use_muon=False`` is stepped as ``torch.optim.AdamW`` would: its ``lr``,
     ``betas``, ``eps``, ``weight_decay`` and ``amsgrad`` are AdamW's (unset ones take AdamW's
@@ -114,6 +115,10 @@ class FusedMuon(FusedOptimizer):
         moments: Moments = "fp32",
         seed: int = 0,
         offload: OffloadTarget | None = None,
+        offload_gradients: bool = False,
+        step_in_backward: bool = False,
+        offload_delay: int = 0,
+        offload_delay_warmup: int = DELAY_WARMUP,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= momentum:  # NaN fails too
@@ -138,7 +143,10 @@ class FusedMuon(FusedOptimizer):
             "seed": seed,
             **torch_flags(None, None, False, False),
         }
-        super().__init__(params, defaults, max_grad_norm, offload)
+        offload_options = OffloadOptions.checked(
+            offload, offload_gradients, step_in_backward, offload_delay, offload_delay_warmup, max_grad_norm
+        )
+        super().__init__(params, defaults, max_grad_norm, offload_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not param_group.get("use_muon", self.defaults["use_muon"]):

@@ -11,8 +11,8 @@ from torch import Tensor
 from fusedamp.optim._base import FusedOptimizer, check_lr, torch_flags
 from fusedamp.optim._codecs import Moments
 from fusedamp.optim._masters import MasterWeights
-from fusedamp.optim._offload import OffloadTarget
 from fusedamp.optim._step import AmpScalars, Bucket, advance_steps, lr_for_device, native_grads
+from fusedamp.optim.offload import DELAY_WARMUP, OffloadOptions, OffloadTarget
 
 __all__ = ["FusedSGD"]
 
@@ -23,7 +23,8 @@ class FusedSGD(FusedOptimizer):
     Same arguments, defaults, validation and ``"momentum_buffer"`` state as
     ``torch.optim.SGD``; ``master_weights``, ``max_grad_norm``, ``write_unscaled_grads``,
     ``moments`` (here: how the momentum buffer is stored), ``seed`` and the offload keywords
-    (``offload``, ``offload_gradients``, ``step_in_backward``) work as in
+    (``offload``, ``offload_gradients``, ``step_in_backward``, ``offload_delay``,
+    ``offload_delay_warmup``) work as in
     :class:`fusedamp.FusedAdamW`. Each param also has a ``"step"`` count (a float32 0-dim
     tensor on its device): the first step of a param (count 0) starts its momentum buffer as
     the grad itself, as torch does.
@@ -58,6 +59,8 @@ class FusedSGD(FusedOptimizer):
         offload: OffloadTarget | None = None,
         offload_gradients: bool = False,
         step_in_backward: bool = False,
+        offload_delay: int = 0,
+        offload_delay_warmup: int = DELAY_WARMUP,
     ) -> None:
         check_lr(lr)
         if not 0.0 <= momentum:  # NaN fails too
@@ -81,7 +84,10 @@ class FusedSGD(FusedOptimizer):
             "seed": seed,
             **torch_flags(foreach, fused, False, differentiable),
         }
-        super().__init__(params, defaults, max_grad_norm, offload, offload_gradients, step_in_backward)
+        offload_options = OffloadOptions.checked(
+            offload, offload_gradients, step_in_backward, offload_delay, offload_delay_warmup, max_grad_norm
+        )
+        super().__init__(params, defaults, max_grad_norm, offload_options)
 
     _takes_sparse_grads = True  # nn.Embedding(sparse=True), as torch.optim.SGD
 
