@@ -90,20 +90,21 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_maskz_max_epu32(__mmask16(0xffff), a, b);
 }
-[[gnu::always_inline]] inline uint32_t sum_of_lanes(CodeLanes a) {
-  const __m256i half = _mm256_add_epi32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
-                                        _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
-  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
-  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
-  return uint32_t(_mm_cvtsi128_si32(m));
-}
 [[gnu::always_inline]] inline uint32_t max_unsigned_of_lanes(CodeLanes a) {
   const __m256i half = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
                                         _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
   __m128i m = _mm_max_epu32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(m));
+}
+// The sum of the lanes (as 32-bit integers, wrapping).
+[[gnu::always_inline]] inline uint32_t sum_of_lanes(CodeLanes a) {
+  const __m256i half = _mm256_add_epi32(_mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 0),
+                                        _mm512_maskz_extracti64x4_epi64(__mmask8(0xff), a, 1));
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(m));
 }
 // a | b in the lanes of `pick`, a elsewhere.
