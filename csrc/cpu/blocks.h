@@ -37,9 +37,12 @@ constexpr int64_t kBlockGroup = 32;
 // the block before (whose maximum, hence scale, is final), so the out-of-order core overlaps the
 // divider with all the codec work; a chunk's last block is encoded after its loop. Each of those
 // steps made the int8 step faster against the fp32-moment one: grouping, then the encode one block
-// behind. The loop is then bound by its vector ports, not by the divider (llvm-mca on the AVX-512
-// loop counts more uops per 16 values on each of ports 0 and 5 than the divider's cycles). So the
-// codec's forms ([note: normal decode], EncodeForm) drop every instruction a block does not need.
+// behind. With the earlier codes the loop was then bound by its vector ports, not by the divider
+// (llvm-mca on the AVX-512 loop counted more uops per 16 values on each of ports 0 and 5 than the
+// divider's cycles), so the vector codec drops what a block does not need (kPlain encodes, decodes
+// without the special codes' check). The tapered codes take about twice the codec uops; removing a
+// few of them per vector (shifts by a vector count, constants made once per block, no lower clamp)
+// left the step's time unchanged on AVX-512: the port count alone no longer bounds it.
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded

@@ -24,10 +24,6 @@ using CodeLanes = __m512i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm512_maskz_cvtepu8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
 }
-// Sign-extended: a code with its top bit set fills bits 31..7 of its lane.
-[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
-  return _mm512_maskz_cvtepi8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-}
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_maskz_cvtepi32_epi8(__mmask16(0xffff), lanes));
 }
@@ -57,11 +53,6 @@ using LaneMask = __mmask16;
   return _mm512_cmplt_epi32_mask(a, lanes_of(bound));
 }
 [[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) { return _mm512_test_epi32_mask(a, a); }
-// The lanes of a with none of `bits` set.
-[[gnu::always_inline]] inline LaneMask lanes_without(CodeLanes a, uint32_t bits) {
-  return _mm512_testn_epi32_mask(a, lanes_of(bits));
-}
-[[gnu::always_inline]] inline LaneMask no_lanes() { return 0; }
 [[gnu::always_inline]] inline bool any_lane(LaneMask m) { return m != 0; }
 [[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return a & b; }
 [[gnu::always_inline]] inline CodeLanes shift_right(CodeLanes a, int bits) {
@@ -69,9 +60,6 @@ using LaneMask = __mmask16;
 }
 [[gnu::always_inline]] inline CodeLanes shift_left(CodeLanes a, int bits) {
   return _mm512_maskz_slli_epi32(__mmask16(0xffff), a, bits);
-}
-[[gnu::always_inline]] inline CodeLanes shift_right_signed(CodeLanes a, int bits) {
-  return _mm512_maskz_srai_epi32(__mmask16(0xffff), a, bits);
 }
 // a | (b & mask), one instruction.
 [[gnu::always_inline]] inline CodeLanes or_masked(CodeLanes a, CodeLanes b, uint32_t mask) {
@@ -107,10 +95,6 @@ using LaneMask = __mmask16;
   m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(m));
 }
-// a | b in the lanes of `pick`, a elsewhere.
-[[gnu::always_inline]] inline CodeLanes or_where(LaneMask pick, CodeLanes a, CodeLanes b) {
-  return _mm512_mask_or_epi32(a, pick, a, b);
-}
 // Whether any of n codes has none of `bits` set.
 [[gnu::always_inline]] inline bool any_code_without(const uint8_t* codes, int64_t n, uint8_t bits) {
   const __m512i wanted = _mm512_set1_epi8(char(bits));
@@ -122,9 +106,6 @@ using LaneMask = __mmask16;
     found |= _mm512_mask_testn_epi8_mask(tail, _mm512_maskz_loadu_epi8(tail, codes + i), wanted);
   }
   return found != 0;
-}
-[[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
-  return _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(b)));
 }
 // The lanes as fp32 values (bit patterns in and out): a product, a sum, a conversion from
 // integers and one to integers (truncated).
@@ -181,9 +162,6 @@ using CodeLanes = __m256i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
-[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
-  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-}
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   // The low byte of each 32-bit lane to the low 4 bytes of its 128-bit half, then both halves joined.
   const __m256i gather = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -215,15 +193,10 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) {
   return _mm256_xor_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), lanes_of(0xffffffffu));
 }
-[[gnu::always_inline]] inline LaneMask lanes_without(CodeLanes a, uint32_t bits) {
-  return _mm256_cmpeq_epi32(_mm256_and_si256(a, lanes_of(bits)), _mm256_setzero_si256());
-}
-[[gnu::always_inline]] inline LaneMask no_lanes() { return _mm256_setzero_si256(); }
 [[gnu::always_inline]] inline bool any_lane(LaneMask m) { return !_mm256_testz_si256(m, m); }
 [[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return _mm256_and_si256(a, b); }
 [[gnu::always_inline]] inline CodeLanes shift_right(CodeLanes a, int bits) { return _mm256_srli_epi32(a, bits); }
 [[gnu::always_inline]] inline CodeLanes shift_left(CodeLanes a, int bits) { return _mm256_slli_epi32(a, bits); }
-[[gnu::always_inline]] inline CodeLanes shift_right_signed(CodeLanes a, int bits) { return _mm256_srai_epi32(a, bits); }
 [[gnu::always_inline]] inline CodeLanes or_masked(CodeLanes a, CodeLanes b, uint32_t mask) {
   return _mm256_or_si256(a, _mm256_and_si256(b, lanes_of(mask)));
 }
@@ -245,9 +218,6 @@ using LaneMask = __m256i;
   m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
   return uint32_t(_mm_cvtsi128_si32(m));
 }
-[[gnu::always_inline]] inline CodeLanes or_where(LaneMask pick, CodeLanes a, CodeLanes b) {
-  return _mm256_or_si256(a, _mm256_and_si256(b, pick));
-}
 [[gnu::always_inline]] inline bool any_code_without(const uint8_t* codes, int64_t n, uint8_t bits) {
   const __m256i wanted = _mm256_set1_epi8(char(bits));
   __m256i found = _mm256_setzero_si256();
@@ -259,9 +229,6 @@ using LaneMask = __m256i;
   bool any = !_mm256_testz_si256(found, found);
   for (; i < n; ++i) any |= (codes[i] & bits) == 0;
   return any;
-}
-[[gnu::always_inline]] inline CodeLanes mul_as_floats(CodeLanes a, float b) {
-  return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(b)));
 }
 [[gnu::always_inline]] inline CodeLanes mul_float_lanes(CodeLanes a, CodeLanes b) {
   return _mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b)));

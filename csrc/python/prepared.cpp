@@ -65,8 +65,8 @@ class GradWatch {
 // groups' params): unchanged() is true while every dict holds the same keys bound to the same
 // objects in the same order, and every list the same objects. Compared by identity in C++, so a
 // plan checks them at a few ns an entry (looking a param up in optimizer.state from Python
-// hashes it through Tensor.__hash__).
-class IdentityWatch {
+// hashes it through Tensor.__hash__). Hidden, as pybind11's own types are: it holds py::objects.
+class [[gnu::visibility("hidden")]] IdentityWatch {
  public:
   IdentityWatch(const std::vector<py::dict>& dicts, const std::vector<py::list>& lists);
   bool unchanged() const;
