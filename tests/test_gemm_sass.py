@@ -1,15 +1,18 @@
 """What the GEMM kernels compiled to, checked without a GPU: cuobjdump -sass on the built
 extension must show HMMA.16816.F32 (+ ldmatrix, cp.async) in the sm_80 code of the mma.sync kernel,
 an empty body in its sm_75 code, and HGMMA (+ TMA, setmaxnreg) in the sm_90a code of the wgmma
-kernel."""
+kernel; and each epilogue instance (bias or not, activation) must hold its own code and no more,
+within a size bound, without local memory (tools/gemm_sass.py measures them).
+
+FUSEDAMP_GEMM_SASS_FILES (paths joined by os.pathsep) checks object files instead of the built
+extension, e.g. those of `python -m tools.compile_cuda_file csrc/cuda/gemm/sm90_bf16.cu --archs 9.0a
+--output-dir out/objects`: the check of one kernel file without a full CUDA build."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
-import shutil
-import subprocess
-import sys
 from functools import cache
 
 import pytest
@@ -17,95 +20,137 @@ import torch
 
 import fusedamp
 from fusedamp import _C
+from tools.gemm_sass import ACTIVATIONS, Instance, find_tool, measure, sass_by_arch_and_kernel
 
+FILES = [f for f in os.environ.get("FUSEDAMP_GEMM_SASS_FILES", "").split(os.pathsep) if f]
 GEMM_CUDA_BUILT = _C.cuda_compiled and torch._C._dispatch_has_kernel_for_dispatch_key(
     "fusedamp::gemm", "CUDA"
 )
 BUILT_ARCHS = ["sm_" + arch.replace(".", "") for arch in fusedamp.build_info()["cuda_archs"]]
 
-
-def _find_tool(name: str) -> str | None:
-    """The tool from the nvidia-cuda-* wheels next to this interpreter, else from PATH."""
-    for site in sys.path:
-        candidate = os.path.join(site, "nvidia", "cu13", "bin", name)
-        if os.path.isfile(candidate):
-            return candidate
-    return shutil.which(name)
-
-
-CUOBJDUMP = _find_tool("cuobjdump")
-NVDISASM = _find_tool("nvdisasm")
+# Upper bounds on an instance's epilogue (instructions from the last Tensor Core instruction to the
+# last output store), per (family, activation), about 20% above what nvcc 13.0 gives. Before the
+# bias and the activation were template parameters, every instance held all of them: about 10,700
+# (wgmma) and 9,100 (mma.sync) instructions.
+EPILOGUE_BOUND = {
+    ("gemm_sm90_kernel", "none"): 1_400,
+    ("gemm_sm90_kernel", "relu"): 1_400,
+    ("gemm_sm90_kernel", "gelu"): 5_000,
+    ("gemm_sm90_kernel", "gelu_tanh"): 5_000,
+    ("gemm_sm80_kernel", "none"): 5_300,
+    ("gemm_sm80_kernel", "relu"): 5_300,
+    ("gemm_sm80_kernel", "gelu"): 9_100,
+    ("gemm_sm80_kernel", "gelu_tanh"): 8_500,
+}
+ACCUMULATORS = {"gemm_sm90_kernel": 128, "gemm_sm80_kernel": 64}  # fp32 accumulators per thread
 
 pytestmark = [
     pytest.mark.skipif(
-        not GEMM_CUDA_BUILT,
+        not FILES and not GEMM_CUDA_BUILT,
         reason="fusedamp._C was built without CUDA gemm kernels (FUSEDAMP_CUDA=0 or no nvcc)",
     ),
     pytest.mark.skipif(
-        CUOBJDUMP is None or NVDISASM is None,
+        find_tool("cuobjdump") is None or find_tool("nvdisasm") is None,
         reason="cuobjdump/nvdisasm missing: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm",
     ),
 ]
 
 
 @cache
-def sass_by_arch_and_kernel() -> dict[tuple[str, str], str]:
-    """{(arch, mangled kernel name): its SASS} for every kernel in fusedamp._C."""
-    env = dict(os.environ, PATH=os.path.dirname(NVDISASM) + os.pathsep + os.environ["PATH"])
-    dump = subprocess.run(
-        [CUOBJDUMP, "-sass", _C.__file__], capture_output=True, text=True, env=env, check=True
-    ).stdout
-    kernels: dict[tuple[str, str], str] = {}
-    arch = name = None
-    for line in dump.splitlines():
-        if m := re.match(r"\s*code for (sm_\w+)", line):
-            arch, name = m.group(1), None
-        elif m := re.match(r"\s*Function : (\S+)", line):
-            name = m.group(1)
-            kernels[arch, name] = ""
-        elif name is not None:
-            kernels[arch, name] += line + "\n"
-    return kernels
+def sass() -> dict[tuple[str, str], str]:
+    return sass_by_arch_and_kernel(FILES or [_C.__file__])
+
+
+@cache
+def instances() -> list[Instance]:
+    return measure(sass())
+
+
+def require_arch(arch: str) -> None:
+    present = {a for a, _ in sass()}
+    if arch not in present or (not FILES and arch not in BUILT_ARCHS):
+        pytest.skip(f"no {arch} code in {FILES or _C.__file__}")
 
 
 def kernels(arch: str, family: str) -> dict[str, str]:
-    if arch not in BUILT_ARCHS:
-        pytest.skip(f"{arch} is not among the built archs {BUILT_ARCHS}")
-    found = {n: s for (a, n), s in sass_by_arch_and_kernel().items() if a == arch and family in n}
+    require_arch(arch)
+    found = {n: s for (a, n), s in sass().items() if a == arch and family in n}
+    if FILES and not found:
+        pytest.skip(f"no {family} kernels in {FILES}")
     assert found, f"no {family} kernels in the {arch} code of {_C.__file__}"
     return found
 
 
+def family_instances(arch: str, family: str) -> list[Instance]:
+    kernels(arch, family)
+    return [i for i in instances() if i.arch == arch and i.family == family]
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_mma_sync_kernels_use_hmma_ldmatrix_and_cp_async(arch):
-    for name, sass in kernels(arch, "gemm_sm80_kernel").items():
-        assert "HMMA.16816.F32" in sass, name
-        assert "LDSM" in sass, name  # ldmatrix
-        assert "LDGSTS" in sass, name  # cp.async
-        assert "LDL" not in sass and "STL" not in sass, f"{name} uses local memory"
+    for name, code in kernels(arch, "gemm_sm80_kernel").items():
+        assert "HMMA.16816.F32" in code, name
+        assert "LDSM" in code, name  # ldmatrix
+        assert "LDGSTS" in code, name  # cp.async
+        assert "LDL" not in code and "STL" not in code, f"{name} uses local memory"
 
 
 def test_mma_sync_kernels_are_empty_below_sm80():
     # A build for Turing (7.5) holds the mma.sync kernels with empty bodies (no cp.async, no
     # m16n8k16 there): the gemm never launches them (sm80_kernels_built() checks the PTX version).
-    for name, sass in kernels("sm_75", "gemm_sm80_kernel").items():
-        assert "HMMA" not in sass and "LDGSTS" not in sass and "LDSM" not in sass, name
-        assert "EXIT" in sass, name
+    for name, code in kernels("sm_75", "gemm_sm80_kernel").items():
+        assert "HMMA" not in code and "LDGSTS" not in code and "LDSM" not in code, name
+        assert "EXIT" in code, name
 
 
 def test_wgmma_kernels_use_hgmma_tma_and_setmaxnreg():
-    for name, sass in kernels("sm_90a", "gemm_sm90_kernel").items():
-        assert re.search(r"HGMMA\.64x256x16\.F32", sass), name
-        assert "UTMALDG" in sass, name  # TMA loads
-        assert "UTMASTG" in sass, name  # TMA stores (epilogue)
-        assert "USETMAXREG" in sass, name
-        assert "LDL" not in sass and "STL" not in sass, f"{name} uses local memory"
+    for name, code in kernels("sm_90a", "gemm_sm90_kernel").items():
+        assert re.search(r"HGMMA\.64x256x16\.F32", code), name
+        assert "UTMALDG" in code, name  # TMA loads
+        assert "UTMASTG" in code, name  # TMA stores (epilogue)
+        assert "USETMAXREG" in code, name
+        assert "LDL" not in code and "STL" not in code, f"{name} uses local memory"
 
 
 def test_wgmma_transposes_follow_the_layouts():
-    # Template arguments <T, a_k_major, b_k_major>: MN-major operands are read transposed.
-    for name, sass in kernels("sm_90a", "gemm_sm90_kernel").items():
+    # Template arguments <T, a_k_major, b_k_major, ...>: MN-major operands are read transposed.
+    for name, code in kernels("sm_90a", "gemm_sm90_kernel").items():
         a_k_major, b_k_major = re.search(r"Lb([01])ELb([01])E", name).groups()
-        hgmma = re.search(r"HGMMA\.\S+ \S+ gdesc\[\w+\](\S*),", sass).group(1)
+        hgmma = re.search(r"HGMMA\.\S+ \S+ gdesc\[\w+\](\S*),", code).group(1)
         assert ("tnspA" in hgmma) == (a_k_major == "0"), name
         assert ("tnspB" in hgmma) == (b_k_major == "0"), name
+
+
+FAMILIES = [("sm_80", "gemm_sm80_kernel"), ("sm_90a", "gemm_sm90_kernel"), ("sm_90a", "gemm_sm80_kernel")]
+
+
+@pytest.mark.parametrize("arch,family", FAMILIES)
+def test_every_epilogue_has_its_own_instance(arch, family):
+    found = family_instances(arch, family)
+    for dtype in {i.dtype for i in found}:
+        combos = {(i.a_k_major, i.b_k_major, i.bias, i.activation) for i in found if i.dtype == dtype}
+        assert combos == set(itertools.product([False, True], [False, True], [False, True], ACTIVATIONS))
+
+
+@pytest.mark.parametrize("arch,family", FAMILIES)
+def test_epilogues_hold_only_their_own_bias_and_activation_code(arch, family):
+    found = family_instances(arch, family)
+    plain = {(i.dtype, i.a_k_major, i.b_k_major): i for i in found if not i.bias and i.activation == "none"}
+    for i in found:
+        base = plain[i.dtype, i.a_k_major, i.b_k_major]
+        assert i.counts["LDL"] == 0 and i.counts["STL"] == 0, f"{i.name} uses local memory"
+        assert i.epilogue <= EPILOGUE_BOUND[family, i.activation], (i.name, i.epilogue)
+        # Bias reads (LDG: the kernels read their operands with TMA or cp.async) only with a bias.
+        assert (i.counts["LDG"] > 0) == i.bias, i.name
+        if family == "gemm_sm90_kernel":
+            # The bias is staged in smem once per tile, then one 8-byte read per accumulator pair
+            # for each of the two passes (preactivation, output).
+            assert i.counts["LDS"] == (ACCUMULATORS[family] // 2 if i.bias else 0), i.name
+        # erf / tanh (MUFU) only in the GELU instances, for each accumulator of the output pass,
+        # not of the preactivation's (erff takes one exp, tanhf an exp and a reciprocal; ptxas
+        # may duplicate them on two branches of the mma.sync stores, never more).
+        extra = i.counts["MUFU"] - base.counts["MUFU"]
+        per_element = {"none": 0, "relu": 0, "gelu": 1, "gelu_tanh": 2}[i.activation]
+        once = per_element * ACCUMULATORS[family]
+        assert once <= extra <= 2 * once if family == "gemm_sm80_kernel" else extra == once, (
+            i.name, extra)

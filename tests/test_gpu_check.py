@@ -72,8 +72,8 @@ def test_source_digest_covers_every_file_the_build_compiles() -> None:
     assert (ROOT / "csrc" / "cuda" / "amp.cu").exists() and (ROOT / "fusedamp" / "_cuda_archs.py").exists()
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
-def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+def carried_checkout(tmp_path: Path) -> Path:
+    """A copy of the checkout with this checkout's build carried in .device_build, as on a device."""
     checkout = tmp_path / "checkout"
     ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
     for name in ("benchmarks", "csrc", "fusedamp", "tests", "tools"):
@@ -87,19 +87,23 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         library.rename(carried / library.name)
     shutil.copy2(checkout / "fusedamp" / "_build_meta.py", carried / "_build_meta.py")
     device_build.write_manifest(str(carried), ARCHS, str(checkout))
+    return checkout
 
-    out = tmp_path / "out"
+
+def dry_run_env(out: Path, **settings: str) -> dict[str, str]:
     env = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST")
     }
-    env.update(
-        OUT=str(out),
-        PYTHON=sys.executable,
-        GPU_CHECK_DRY_RUN="1",
-        GPU_CHECK_BENCHMARKS="gemm",
-        GPU_CHECK_BENCHMARK_S="120",
-        CUDA_VISIBLE_DEVICES="",
-    )
+    env.update(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_DRY_RUN="1", CUDA_VISIBLE_DEVICES="",
+               **settings)
+    return env
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+    checkout = carried_checkout(tmp_path)
+    out = tmp_path / "out"
+    env = dry_run_env(out, GPU_CHECK_BENCHMARKS="gemm", GPU_CHECK_BENCHMARK_S="120")
     result = subprocess.run(
         ["bash", str(checkout / "tools" / "gpu_check.sh")],
         env=env,
@@ -141,6 +145,26 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     assert len(list(out.iterdir())) <= 8
     assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+def test_gpu_check_runs_the_gemm_sweep_only_when_asked(tmp_path: Path) -> None:
+    checkout = carried_checkout(tmp_path)
+    out = tmp_path / "out"
+    env = dry_run_env(out, GPU_CHECK_STAGES="gemm_sweep", GPU_CHECK_SWEEP_ARGS="--dtypes bf16")
+    result = subprocess.run(["bash", str(checkout / "tools" / "gpu_check.sh")], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    log = (out / "benchmarks.log").read_text()
+    assert result.returncode == 0, result.stdout + result.stderr + log
+    stages = json.loads((out / "summary.json").read_text())["stages"]
+    assert list(stages) == ["build", "gemm_sweep"] and stages["gemm_sweep"]["status"] == "passed"
+    assert "== gemm_sweep (at most 200 s)" in log
+    # Squares, MLP up/down and the K sweep; bf16 only; two epilogues; torch and both kernels; both
+    # timings.
+    assert "would time square 1024 (M=1024 N=1024 K=1024) for bf16 x none,bias_gelu" in log
+    assert "would time mlp down t=16384 (M=16384 N=4096 K=16384)" in log
+    assert "would time k sweep 4096x4096 k=16384" in log
+    assert "dry run, 204 timings planned" in log
 
 
 # What marks a test file as running CUDA code: tensors put on a GPU, or a skip without one.

@@ -16,7 +16,9 @@
 # stage's cap (default 150 s; each module may take all of it but 50 s: bench_optim needs about
 # 240 s on an H200, its torchao peer most of it, so it gets a call of its own:
 # GPU_CHECK_STAGES=benchmarks GPU_CHECK_BENCHMARKS=optim GPU_CHECK_BENCHMARK_S=300);
-# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun);
+# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun; the
+# GEMM sweep, gemm_sweep, runs only when named there: GPU_CHECK_STAGES=gemm_sweep, about 3 minutes,
+# writes gemm_sweep.json);
 # GPU_CHECK_TESTS the CUDA tests to some files (default: all of tests/, e.g. "tests/test_offload.py
 # tests/test_offload_overlap.py"; CONTRIBUTING.md has the call for the offloaded training benchmark).
 # Everything lands in $OUT, at most 8 files, to copy back from the GPU machine: summary.json
@@ -163,6 +165,16 @@ if [[ -d "$CARRIED/site" ]]; then
 fi
 
 status=0
+# The GEMM sweep (benchmarks/bench_gemm.py --sweep: squares, MLP shapes and a K sweep, every kernel
+# and epilogue, back-to-back and CUDA-graph timings, the per-tile fit; estimated at 1.5 to 3 minutes
+# on an H200, not timed yet) runs only when GPU_CHECK_STAGES names it, first: it would take most of a
+# full run's budget. GPU_CHECK_SWEEP_ARGS passes options (e.g. "--cases k --backends wgmma").
+if [[ ",$STAGES_WANTED," == *",gemm_sweep,"* ]]; then
+  read -r -a sweep <<< "--sweep ${GPU_CHECK_SWEEP_ARGS:-}"
+  if (( DRY_RUN )); then sweep+=(--dry-run); fi
+  stage gemm_sweep "${GPU_CHECK_SWEEP_S:-200}" "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks.bench_gemm \
+    "${sweep[@]}" --json "$OUT/gemm_sweep.json" || status=1
+fi
 stage cuda_tests 240 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
   --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py "${TESTS[@]}" || status=1
 stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \

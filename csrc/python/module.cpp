@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "common/memo.h"
 #include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
@@ -146,6 +147,29 @@ void def_gemm_tile_hooks(py::module_& m) {
      "lacks and 'auto' warns about, or '').");
 }
 
+// For each key in turn, whether the memo (capacity `capacity`) made its value, and the value it
+// returned (key * 10, or -1 where make threw: the make of `throw_on` does).
+std::vector<std::pair<bool, int64_t>> memo_trace_for_test(const std::vector<int64_t>& keys,
+                                                          int64_t capacity, int64_t throw_on) {
+  TORCH_CHECK_VALUE(capacity > 0, "memo_trace: capacity must be positive");
+  fusedamp::Memo<1, int64_t> memo{size_t(capacity)};
+  std::vector<std::pair<bool, int64_t>> trace;
+  for (const int64_t key : keys) {
+    bool made = false;
+    int64_t value = -1;
+    try {
+      value = memo.get({uint64_t(key)}, [&] {
+        made = true;
+        if (key == throw_on) throw std::runtime_error("make failed");
+        return key * 10;
+      });
+    } catch (const std::runtime_error&) {
+    }
+    trace.emplace_back(made, value);
+  }
+  return trace;
+}
+
 // (launch, slot, tensor, begin, count) for every block, as the CUDA kernels find their work:
 // from the per-slot ranges of each launch, looked up by block index with locate_chunk.
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> locate_chunks_for_test(
@@ -230,5 +254,8 @@ PYBIND11_MODULE(_C, m) {
               py::arg("chunk_size"), "(first, count) of each tensor's blocks in a multi-tensor call.");
   testing.def("dispatch_for_test", &dispatch_for_test, py::arg("param_dtype"), py::arg("master_kind"),
               "The 'param/master' kernel dispatch.h picks for raw DType and MasterKind values.");
+  testing.def("memo_trace", &memo_trace_for_test, py::arg("keys"), py::arg("capacity"),
+              py::arg("throw_on"),
+              "(made, value) per key of a Memo, as the GEMM launchers keep tensor maps in one.");
   def_gemm_tile_hooks(testing);
 }

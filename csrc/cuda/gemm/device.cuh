@@ -28,9 +28,11 @@ template <> struct HalfTraits<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
+// Bias of output column `col` in fp32, 0 past the last column (callers read whole tiles). Only
+// kernel instances with a bias call it (p.bias is set).
 template <typename T>
 __device__ __forceinline__ float load_bias(const GemmParams& p, int32_t col) {
-  if (p.bias == nullptr) return 0.f;
+  if (col >= p.n) return 0.f;
   if (p.bias_fp32) return static_cast<const float*>(p.bias)[col];
   return HalfTraits<T>::to_float(static_cast<const T*>(p.bias)[col]);
 }

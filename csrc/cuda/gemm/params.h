@@ -4,6 +4,8 @@
 #include <cuda_runtime_api.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "fusedamp/gemm/tiles.h"
 
 namespace fusedamp::gemm {
@@ -28,6 +30,37 @@ struct GemmParams {
   bool out_fp32;       // out and preact hold float32 rather than the input type
   Activation activation;  // applied to acc + bias in fp32
 };
+
+// Calls fn(std::integral_constant<Activation, act>{}) for the run-time activation `act`.
+template <typename Fn>
+void with_activation(Activation act, Fn&& fn) {
+  using A = Activation;
+  switch (act) {
+    case A::kRelu: return fn(std::integral_constant<A, A::kRelu>{});
+    case A::kGelu: return fn(std::integral_constant<A, A::kGelu>{});
+    case A::kGeluTanh: return fn(std::integral_constant<A, A::kGeluTanh>{});
+    default: return fn(std::integral_constant<A, A::kNone>{});
+  }
+}
+
+// Calls fn(a_k_major, b_k_major, has_bias, activation) with the call's operand layouts and
+// epilogue as compile-time constants (std::bool_constant, std::integral_constant<Activation>), so
+// that a launcher picks its kernel instance once per call and each instance holds only the
+// epilogue code it runs.
+template <typename Fn>
+void with_kernel_instance(const GemmParams& p, Fn&& fn) {
+  auto with_bool = [](bool value, auto&& next) {
+    if (value) next(std::true_type{});
+    else next(std::false_type{});
+  };
+  with_bool(p.a_k_major, [&](auto a_k_major) {
+    with_bool(p.b_k_major, [&](auto b_k_major) {
+      with_bool(p.bias != nullptr, [&](auto has_bias) {
+        with_activation(p.activation, [&](auto act) { fn(a_k_major, b_k_major, has_bias, act); });
+      });
+    });
+  });
+}
 
 // Launchers (one translation unit per kernel family and input type). `sm_count` sizes the
 // persistent sm90 grid. Both throw a c10::Error on a launch failure.

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAException.h>
 
 #include "cuda/gemm/device.cuh"
+#include "cuda/gemm/launch.h"
 
 namespace fusedamp::gemm {
 
@@ -54,7 +55,34 @@ struct Sm80Operand {
   }
 };
 
-template <typename T, bool kAKMajor, bool kBKMajor>
+// Stores the column pair (v0, v1) at element `offset` of `dst`, fp32 when `out_fp32` else the
+// input type T: one vector store when `vector` (the pair is whole and aligned), else element by
+// element, v1 only when `has_second`.
+template <typename T>
+__device__ __forceinline__ void store_pair(void* dst, int64_t offset, float v0, float v1,
+                                           bool has_second, bool vector, bool out_fp32) {
+  using Traits = HalfTraits<T>;
+  if (out_fp32) {
+    float* out = static_cast<float*>(dst) + offset;
+    if (vector) {
+      *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
+    } else {
+      out[0] = v0;
+      if (has_second) out[1] = v1;
+    }
+  } else {
+    T* out = static_cast<T*>(dst) + offset;
+    if (vector) {
+      *reinterpret_cast<typename Traits::Pair*>(out) = Traits::pack(v0, v1);
+    } else {
+      out[0] = Traits::from_float(v0);
+      if (has_second) out[1] = Traits::from_float(v1);
+    }
+  }
+}
+
+// One instance per input type, operand layouts and epilogue (bias or not, activation).
+template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
 __global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const GemmParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Tile = Sm80Tile;
@@ -135,8 +163,21 @@ __global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const 
     }
   }
 
-  // Epilogue straight from the accumulators: each lane owns column pairs (2c, 2c + 1).
-  using Traits = HalfTraits<T>;
+  // The bias of this lane's columns, read once (after the main loop, whose registers it would
+  // crowd).
+  float bias[Tile::kMmaN][2] = {};  // (WARP_N / 8, 2)
+  if constexpr (kBias) {
+#pragma unroll
+    for (int ni = 0; ni < Tile::kMmaN; ++ni) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        bias[ni][j] = load_bias<T>(p, n0 + sm80_accumulator(warp, lane, 0, ni, j).col);
+      }
+    }
+  }
+
+  // Epilogue straight from the accumulators: each lane owns column pairs (2c, 2c + 1). The bias
+  // and the activation are template parameters, so an instance holds its own epilogue only.
   const bool pairs_aligned = p.n % 2 == 0;
 #pragma unroll
   for (int mi = 0; mi < Tile::kMmaM; ++mi) {
@@ -149,46 +190,31 @@ __global__ void __launch_bounds__(Sm80Tile::kThreads, 2) gemm_sm80_kernel(const 
         const int32_t col = n0 + c.col;
         if (row >= p.m || col >= p.n) continue;
         const bool has_second = col + 1 < p.n;
-        const float z0 = acc[mi][ni][2 * half] + load_bias<T>(p, col);
-        const float z1 = has_second ? acc[mi][ni][2 * half + 1] + load_bias<T>(p, col + 1) : 0.f;
-        const int64_t offset = int64_t(row) * p.n + col;
-        for (int pass = p.preact != nullptr ? 0 : 1; pass < 2; ++pass) {
-          void* dst = pass == 0 ? p.preact : p.out;
-          const float v0 = pass == 0 ? z0 : activate(z0, p.activation);
-          const float v1 = pass == 0 ? z1 : activate(z1, p.activation);
-          if (p.out_fp32) {
-            float* out = static_cast<float*>(dst) + offset;
-            if (has_second && pairs_aligned) {
-              *reinterpret_cast<float2*>(out) = make_float2(v0, v1);
-            } else {
-              out[0] = v0;
-              if (has_second) out[1] = v1;
-            }
-          } else {
-            T* out = static_cast<T*>(dst) + offset;
-            if (has_second && pairs_aligned) {
-              *reinterpret_cast<typename Traits::Pair*>(out) = Traits::pack(v0, v1);
-            } else {
-              out[0] = Traits::from_float(v0);
-              if (has_second) out[1] = Traits::from_float(v1);
-            }
-          }
+        const bool vector = has_second && pairs_aligned;
+        float z0 = acc[mi][ni][2 * half], z1 = acc[mi][ni][2 * half + 1];
+        if constexpr (kBias) {
+          z0 += bias[ni][0];
+          z1 += bias[ni][1];
         }
+        const int64_t offset = int64_t(row) * p.n + col;
+        if (p.preact != nullptr) {
+          store_pair<T>(p.preact, offset, z0, z1, has_second, vector, p.out_fp32);
+        }
+        store_pair<T>(p.out, offset, activate<kAct>(z0), activate<kAct>(z1), has_second, vector,
+                      p.out_fp32);
       }
     }
   }
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor>
+template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
 void launch_sm80_kernel(const GemmParams& p, cudaStream_t stream) {
   using Tile = Sm80Tile;
   constexpr int kSmemBytes = Tile::kStages * (Sm80Operand<kAKMajor, Tile::kBlockM>::kBytes +
                                               Sm80Operand<kBKMajor, Tile::kBlockN>::kBytes);
-  auto* kernel = gemm_sm80_kernel<T, kAKMajor, kBKMajor>;
-  // Above 48 KiB of dynamic smem a kernel must opt in (once per kernel, per device).
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kSmemBytes));
+  auto* kernel = gemm_sm80_kernel<T, kAKMajor, kBKMajor, kBias, kAct>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
   const int32_t blocks = ceil_div(p.m, Tile::kBlockM) * ceil_div(p.n, Tile::kBlockN);
   kernel<<<blocks, Tile::kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -196,13 +222,10 @@ void launch_sm80_kernel(const GemmParams& p, cudaStream_t stream) {
 
 template <typename T>
 void launch_sm80(const GemmParams& p, cudaStream_t stream) {
-  if (p.a_k_major) {
-    if (p.b_k_major) launch_sm80_kernel<T, true, true>(p, stream);
-    else launch_sm80_kernel<T, true, false>(p, stream);
-  } else {
-    if (p.b_k_major) launch_sm80_kernel<T, false, true>(p, stream);
-    else launch_sm80_kernel<T, false, false>(p, stream);
-  }
+  with_kernel_instance(p, [&](auto a_k_major, auto b_k_major, auto has_bias, auto act) {
+    launch_sm80_kernel<T, decltype(a_k_major)::value, decltype(b_k_major)::value,
+                       decltype(has_bias)::value, decltype(act)::value>(p, stream);
+  });
 }
 
 }  // namespace fusedamp::gemm

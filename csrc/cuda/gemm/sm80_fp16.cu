@@ -11,7 +11,8 @@ bool sm80_kernels_built() {
   // this device runs nor PTX the driver can compile for it: e.g. an 8.0-only build on sm_90, or
   // 8.0;9.0a on sm_100. Every mma.sync kernel is built for the same archs: one stands for all.
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, gemm_sm80_kernel<__half, true, true>) != cudaSuccess) {
+  auto* kernel = gemm_sm80_kernel<__half, true, true, false, Activation::kNone>;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: clear it so that it is not reported by a later check
     return false;
   }

@@ -11,6 +11,7 @@
 #include <cudaTypedefs.h>
 
 #include "cuda/gemm/device.cuh"
+#include "cuda/gemm/launch.h"
 #include "cuda/gemm/wgmma.cuh"
 
 namespace fusedamp::gemm {
@@ -111,41 +112,52 @@ __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
-// Writes one 64 x BLK_N slice of a consumer's results (preactivation or activated output, in the
-// input type) through its 64 x 128-byte staging buffer, one TMA store per 128-byte column chunk.
-// Only 16-bit outputs: a second (fp32) variant in the same kernel made ptxas spill.
-template <typename T>
-__device__ __forceinline__ void store_slice(const Sm90Params& p, const CUtensorMap* map,
+// Writes one 64 x BLK_N slice of a consumer's results, act(acc + bias) in the input type, through
+// its 64 x 128-byte staging buffer, one TMA store per 128-byte column chunk. `bias` holds the tile's
+// BLK_N bias columns in fp32 (smem, read only with kBias). The bias and the activation are template
+// parameters: each kernel instance holds its own epilogue and nothing else. Only 16-bit outputs: a
+// second (fp32) variant in the same kernel made ptxas spill.
+template <typename T, bool kBias, Activation kAct>
+__device__ __forceinline__ void store_slice(const CUtensorMap* map,
                                             const float (&acc)[Sm90Tile::kBlockN / 2],
-                                            uint32_t staging, int32_t thread, uint32_t barrier_id,
-                                            int32_t row0, int32_t col0, bool activated) {
+                                            const float* bias, uint32_t staging, int32_t thread,
+                                            uint32_t barrier_id, int32_t row0, int32_t col0) {
   constexpr int kCols = 128 / sizeof(T);  // output columns per 128-byte staging row
+  constexpr int kPairs = kCols / 4;       // accumulator pairs of a thread in one chunk
   static_assert(Sm90Tile::kBlockN % kCols == 0, "store_slice: BLK_N must be whole chunks");
 #pragma unroll
   for (int chunk = 0; chunk < Sm90Tile::kBlockN / kCols; ++chunk) {
-    // The previous TMA store must have finished reading the staging buffer.
+    // The previous TMA store must have finished reading the staging buffer; the first barrier
+    // also publishes the tile's bias to the consumer.
     if (thread == 0) bulk_wait_read_all();
     named_barrier_sync(barrier_id, 128);
+    // This chunk's bias pairs are read before its st.shared: those are asm with memory clobbers,
+    // and a read written after one of them stays after it.
+    float2 chunk_bias[kPairs];
+    if constexpr (kBias) {
 #pragma unroll
-    for (int group = chunk * kCols / 8; group < (chunk + 1) * kCols / 8; ++group) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int index = group * 4 + half * 2;
-        const Coord e = wgmma_accumulator(thread, index);
-        const int32_t col = col0 + e.col;
-        float v0 = acc[index] + (col < p.g.n ? load_bias<T>(p.g, col) : 0.f);
-        float v1 = acc[index + 1] + (col + 1 < p.g.n ? load_bias<T>(p.g, col + 1) : 0.f);
-        if (activated) {
-          v0 = activate(v0, p.g.activation);
-          v1 = activate(v1, p.g.activation);
-        }
-        const int32_t byte = (e.col - chunk * kCols) * int32_t(sizeof(T));
-        const uint32_t address = staging + swizzle_128b(e.row * 128 + byte);
-        const typename HalfTraits<T>::Pair pair = HalfTraits<T>::pack(v0, v1);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address),
-                     "r"(*reinterpret_cast<const uint32_t*>(&pair))
-                     : "memory");
+      for (int pair = 0; pair < kPairs; ++pair) {
+        const Coord e = wgmma_accumulator(thread, chunk * kPairs * 2 + pair * 2);
+        chunk_bias[pair] = *reinterpret_cast<const float2*>(bias + e.col);
       }
+    }
+#pragma unroll
+    for (int pair = 0; pair < kPairs; ++pair) {
+      const int index = chunk * kPairs * 2 + pair * 2;  // accumulators index, index + 1
+      const Coord e = wgmma_accumulator(thread, index);
+      float v0 = acc[index], v1 = acc[index + 1];
+      if constexpr (kBias) {
+        v0 += chunk_bias[pair].x;
+        v1 += chunk_bias[pair].y;
+      }
+      v0 = activate<kAct>(v0);
+      v1 = activate<kAct>(v1);
+      const int32_t byte = (e.col - chunk * kCols) * int32_t(sizeof(T));
+      const uint32_t address = staging + swizzle_128b(e.row * 128 + byte);
+      const typename HalfTraits<T>::Pair packed = HalfTraits<T>::pack(v0, v1);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address),
+                   "r"(*reinterpret_cast<const uint32_t*>(&packed))
+                   : "memory");
     }
     fence_proxy_async_smem();
     named_barrier_sync(barrier_id, 128);
@@ -157,7 +169,8 @@ __device__ __forceinline__ void store_slice(const Sm90Params& p, const CUtensorM
 }
 #endif
 
-template <typename T, bool kAKMajor, bool kBKMajor>
+// One instance per input type, operand layouts and epilogue (bias or not, activation).
+template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
 __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ Sm90Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -236,10 +249,26 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
   const int32_t consumer = warpgroup - 1;
   const int32_t thread = threadIdx.x % 128;
   const uint32_t staging = smem + Tile::kStages * kStageBytes + consumer * kStagingBytes;
+  float* bias = nullptr;  // (BLK_N) this consumer's copy of the tile's bias, fp32
+  if constexpr (kBias) {
+    __shared__ __align__(16) float bias_tiles[Tile::kConsumers][Tile::kBlockN];
+    bias = bias_tiles[consumer];
+  }
   float acc[Tile::kBlockN / 2];  // this thread's share of the consumer's (64, BLK_N) tile
   uint32_t iteration = 0;
   for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const TileCoord c = tile_of(tile, tiles_m, tiles_n, 8);
+    const int32_t row0 = c.m * Tile::kBlockM + consumer * 64;
+    const int32_t col0 = c.n * Tile::kBlockN;
+    // The tile's bias, once per tile: read from global memory before the main loop, which hides
+    // the latency, and kept in smem for the epilogue.
+    float tile_bias[Tile::kBlockN / 128];  // columns col0 + thread + 128 i
+    if constexpr (kBias) {
+#pragma unroll
+      for (int i = 0; i < Tile::kBlockN / 128; ++i) {
+        tile_bias[i] = load_bias<T>(p.g, col0 + thread + 128 * i);
+      }
+    }
     for (int32_t kt = 0; kt < k_tiles; ++kt, ++iteration) {
       const uint32_t s = iteration % Tile::kStages;
       mbar_wait(smem_address(&full[s]), (iteration / Tile::kStages) & 1);
@@ -256,13 +285,18 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
       if (thread == 0) mbar_arrive(smem_address(&empty[s]));
     }
 
-    const int32_t row0 = c.m * Tile::kBlockM + consumer * 64;
-    const int32_t col0 = c.n * Tile::kBlockN;
     const uint32_t barrier_id = 1 + consumer;  // 0 is __syncthreads
-    for (int pass = p.g.preact != nullptr ? 0 : 1; pass < 2; ++pass) {
-      const CUtensorMap* map = pass == 0 ? &p.preact_map : &p.out_map;
-      store_slice<T>(p, map, acc, staging, thread, barrier_id, row0, col0, pass == 1);
+    if constexpr (kBias) {
+      // Every thread of the consumer has read the previous tile's bias: the last barrier of its
+      // store_slice came after the reads. The first barrier of the next one publishes these.
+#pragma unroll
+      for (int i = 0; i < Tile::kBlockN / 128; ++i) bias[thread + 128 * i] = tile_bias[i];
     }
+    if (p.g.preact != nullptr) {
+      store_slice<T, kBias, Activation::kNone>(&p.preact_map, acc, bias, staging, thread,
+                                               barrier_id, row0, col0);
+    }
+    store_slice<T, kBias, kAct>(&p.out_map, acc, bias, staging, thread, barrier_id, row0, col0);
   }
   if (thread == 0) bulk_wait_all();
 #endif
@@ -270,9 +304,9 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
 
 // A 2-D TMA descriptor over a row-major (outer, inner) matrix of `element_bytes`-byte elements
 // with leading dimension `ld` elements, read or written in 128B-swizzled boxes.
-inline CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype,
-                                   uint32_t element_bytes, uint64_t inner, uint64_t outer,
-                                   uint64_t ld, uint32_t box_inner, uint32_t box_outer) {
+inline CUtensorMap encode_tensor_map(const void* base, CUtensorMapDataType dtype,
+                                     uint32_t element_bytes, uint64_t inner, uint64_t outer,
+                                     uint64_t ld, uint32_t box_inner, uint32_t box_outer) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status;
@@ -297,7 +331,22 @@ inline CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype,
   return map;
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor>
+// encode_tensor_map, remembered: the descriptor is a pure function of these arguments (the base
+// address included), and a training step calls the gemm with the same few (address, shape) pairs
+// again and again (weights stay put; the caching allocator hands activations the same blocks).
+inline CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype,
+                                   uint32_t element_bytes, uint64_t inner, uint64_t outer,
+                                   uint64_t ld, uint32_t box_inner, uint32_t box_outer) {
+  static Memo<8, CUtensorMap> maps(1024);
+  return maps.get({uint64_t(reinterpret_cast<uintptr_t>(base)), uint64_t(dtype), element_bytes,
+                   inner, outer, ld, box_inner, box_outer},
+                  [&] {
+                    return encode_tensor_map(base, dtype, element_bytes, inner, outer, ld,
+                                             box_inner, box_outer);
+                  });
+}
+
+template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
 void launch_sm90_kernel(const GemmParams& g, int sm_count, cudaStream_t stream) {
   using Tile = Sm90Tile;
   constexpr CUtensorMapDataType kType = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
@@ -319,9 +368,8 @@ void launch_sm90_kernel(const GemmParams& g, int sm_count, cudaStream_t stream) 
                      ? p.out_map
                      : make_tensor_map(g.preact, kType, 2, g.n, g.m, g.n, 64, Tile::kStoreRows);
 
-  auto* kernel = gemm_sm90_kernel<T, kAKMajor, kBKMajor>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kSmemBytes));
+  auto* kernel = gemm_sm90_kernel<T, kAKMajor, kBKMajor, kBias, kAct>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
   const int32_t tiles = ceil_div(g.m, Tile::kBlockM) * ceil_div(g.n, Tile::kBlockN);
   const int32_t grid = tiles < sm_count ? tiles : sm_count;  // persistent: one CTA per SM
   kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(p);
@@ -330,13 +378,10 @@ void launch_sm90_kernel(const GemmParams& g, int sm_count, cudaStream_t stream) 
 
 template <typename T>
 void launch_sm90(const GemmParams& p, int sm_count, cudaStream_t stream) {
-  if (p.a_k_major) {
-    if (p.b_k_major) launch_sm90_kernel<T, true, true>(p, sm_count, stream);
-    else launch_sm90_kernel<T, true, false>(p, sm_count, stream);
-  } else {
-    if (p.b_k_major) launch_sm90_kernel<T, false, true>(p, sm_count, stream);
-    else launch_sm90_kernel<T, false, false>(p, sm_count, stream);
-  }
+  with_kernel_instance(p, [&](auto a_k_major, auto b_k_major, auto has_bias, auto act) {
+    launch_sm90_kernel<T, decltype(a_k_major)::value, decltype(b_k_major)::value,
+                       decltype(has_bias)::value, decltype(act)::value>(p, sm_count, stream);
+  });
 }
 
 }  // namespace fusedamp::gemm

@@ -11,7 +11,8 @@ bool sm90_kernels_built() {
   // Only the sm_90a body declares its mbarriers in static smem: a kernel without static smem is
   // the empty body built for another target (e.g. 9.0 without the "a"), which must not run.
   cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, gemm_sm90_kernel<__half, true, true>) != cudaSuccess) {
+  auto* kernel = gemm_sm90_kernel<__half, true, true, false, Activation::kNone>;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
     (void)cudaGetLastError();  // no sm_90 image for this device: clear the non-sticky error
     return false;
   }

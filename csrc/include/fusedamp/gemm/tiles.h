@@ -12,18 +12,33 @@ namespace fusedamp::gemm {
 // Epilogue activation, applied to acc + bias in fp32. The values are part of the kernel params.
 enum class Activation : int32_t { kNone = 0, kRelu = 1, kGelu = 2, kGeluTanh = 3 };
 
+// The activation as a kernel instance applies it: fixed at compile time, so that an instance holds
+// the code of its own activation only.
+template <Activation kAct>
+FUSEDAMP_HOST_DEVICE float activate(float z) {
+  if constexpr (kAct == Activation::kRelu) {
+    return z > 0.f ? z : 0.f;
+  } else if constexpr (kAct == Activation::kGelu) {
+    return 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
+  } else if constexpr (kAct == Activation::kGeluTanh) {
+    const float inner = 0.79788456080286536f * (z + 0.044715f * z * z * z);
+    return 0.5f * z * (1.f + tanhf(inner));
+  } else {
+    return z;
+  }
+}
+
+// The same activation chosen at run time (host tests).
 FUSEDAMP_HOST_DEVICE float activate(float z, Activation act) {
   switch (act) {
     case Activation::kRelu:
-      return z > 0.f ? z : 0.f;
+      return activate<Activation::kRelu>(z);
     case Activation::kGelu:
-      return 0.5f * z * (1.f + erff(z * 0.70710678118654752f));
-    case Activation::kGeluTanh: {
-      const float inner = 0.79788456080286536f * (z + 0.044715f * z * z * z);
-      return 0.5f * z * (1.f + tanhf(inner));
-    }
+      return activate<Activation::kGelu>(z);
+    case Activation::kGeluTanh:
+      return activate<Activation::kGeluTanh>(z);
     default:
-      return z;
+      return activate<Activation::kNone>(z);
   }
 }
 
