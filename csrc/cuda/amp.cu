@@ -24,9 +24,12 @@ struct UnscaleArgs {
   const float* inv_scale;
 };
 
-template <DType G>
+// The grad ops read one list: the grads.
+constexpr uint32_t kGradLists = list_bit(0);
+
+template <DType G, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    unscale_kernel(const __grid_constant__ ChunkMetadata<1> meta, const UnscaleArgs args) {
+    unscale_kernel(const __grid_constant__ Meta meta, const UnscaleArgs args) {
   using Group = ElementGroup<storage_t<G>, kGradElements>;
   const ChunkLocation chunk = this_chunk(meta);
   storage_t<G>* grad = chunk_pointer<storage_t<G>>(meta, 0, chunk);
@@ -49,9 +52,9 @@ struct CheckArgs {
   double* partial_sums;    // one per block of the call; null: no norm wanted
 };
 
-template <DType G>
+template <DType G, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    check_kernel(const __grid_constant__ ChunkMetadata<1> meta, const CheckArgs args) {
+    check_kernel(const __grid_constant__ Meta meta, const CheckArgs args) {
   using Group = ElementGroup<storage_t<G>, kGradElements>;
   const ChunkLocation chunk = this_chunk(meta);
   const storage_t<G>* grad = chunk_pointer<storage_t<G>>(meta, 0, chunk);
@@ -89,9 +92,12 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
 void unscale_cuda(const UnscaleCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const UnscaleArgs args{call.found_inf, call.inv_scale};
+  const int64_t chunk_size = current_chunk_size();
   for (const GradGroup& group : group_by_dtype(call.grads, call.dtypes)) {
     with_float_dtype(group.dtype, [&](auto g) {
-      launch_chunks<1>(unscale_kernel<decltype(g)::value>, group.pointers, group.numels, args);
+      constexpr DType G = decltype(g)::value;
+      launch_chunks<kGradLists>([](auto meta) { return unscale_kernel<G, typename decltype(meta)::type>; },
+                                group.pointers, group.numels, chunk_size, args);
     });
   }
 }
@@ -104,8 +110,9 @@ void unscale_cuda(const UnscaleCall& call) {
 void check_and_norm_cuda(const CheckAndNormCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const std::vector<GradGroup> groups = group_by_dtype(call.grads, call.dtypes);
+  const int64_t chunk_size = current_chunk_size();
   int64_t blocks = 0;
-  for (const GradGroup& group : groups) blocks += total_chunks(group.numels);
+  for (const GradGroup& group : groups) blocks += total_chunks(group.numels, chunk_size);
   const bool norm = call.sum_of_squares != nullptr;
   at::Tensor partial_sums;
   if (norm) {
@@ -115,9 +122,11 @@ void check_and_norm_cuda(const CheckAndNormCall& call) {
   CheckArgs args{call.found_inf, call.inv_scale, norm ? partial_sums.data_ptr<double>() : nullptr};
   for (const GradGroup& group : groups) {
     with_float_dtype(group.dtype, [&](auto g) {
-      launch_chunks<1>(check_kernel<decltype(g)::value>, group.pointers, group.numels, args);
+      constexpr DType G = decltype(g)::value;
+      launch_chunks<kGradLists>([](auto meta) { return check_kernel<G, typename decltype(meta)::type>; },
+                                group.pointers, group.numels, chunk_size, args);
     });
-    if (norm) args.partial_sums += total_chunks(group.numels);
+    if (norm) args.partial_sums += total_chunks(group.numels, chunk_size);
   }
   if (norm) {
     reduce_segments(partial_sums.const_data_ptr<double>(), {Segment{0, int32_t(blocks), 0}}, 0.0,
