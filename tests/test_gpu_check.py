@@ -73,7 +73,9 @@ def test_source_digest_covers_every_file_the_build_compiles() -> None:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
-def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+def dry_run(tmp_path: Path, **settings: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, str]]:
+    """gpu_check.sh in its dry run from a copy of this checkout with its build carried, the
+    GPU_CHECK_* `settings` added: the result, the $OUT folder and its logs by name."""
     checkout = tmp_path / "checkout"
     ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
     for name in ("benchmarks", "csrc", "fusedamp", "tests", "tools"):
@@ -92,14 +94,8 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     env = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST")
     }
-    env.update(
-        OUT=str(out),
-        PYTHON=sys.executable,
-        GPU_CHECK_DRY_RUN="1",
-        GPU_CHECK_BENCHMARKS="gemm",
-        GPU_CHECK_BENCHMARK_S="120",
-        CUDA_VISIBLE_DEVICES="",
-    )
+    env.update(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_DRY_RUN="1", CUDA_VISIBLE_DEVICES="")
+    env.update(settings)
     result = subprocess.run(
         ["bash", str(checkout / "tools" / "gpu_check.sh")],
         env=env,
@@ -108,7 +104,11 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         text=True,
         timeout=600,
     )
-    logs = {path.name: path.read_text() for path in out.glob("*.log")}
+    return result, out, {path.name: path.read_text() for path in out.glob("*.log")}
+
+
+def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+    result, out, logs = dry_run(tmp_path, GPU_CHECK_BENCHMARKS="gemm", GPU_CHECK_BENCHMARK_S="120")
     assert result.returncode == 0, result.stdout + result.stderr + "".join(logs.values())
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
@@ -141,6 +141,23 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     assert len(list(out.iterdir())) <= 8
     assert not list(out.glob("*.png"))
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
+
+
+def test_gpu_check_sweep_stage_runs_alone_and_writes_its_json(tmp_path: Path) -> None:
+    result, out, logs = dry_run(tmp_path, GPU_CHECK_STAGES="sweep")
+    assert result.returncode == 0, result.stdout + result.stderr + "".join(logs.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["stages"]) == ["build", "sweep"] and summary["ok"]
+    sweep = json.loads((out / "sweep.json").read_text())
+    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes.
+    modes = {row["mode"] for row in sweep["rows"]}
+    assert len(modes) == 9 and len(sweep["rows"]) == 9 * 8
+    assert {(row["param_bytes"], row["chunk_size"]) for row in sweep["rows"]} == {
+        (budget, 2**k) for budget in (4096, 32764) for k in range(14, 18)
+    }
+    assert all(row["share_of_stream"] > 0 and row["bytes"] > 0 for row in sweep["rows"])
+    assert sweep["stream_gb_per_s"] > 0
+    assert len(list(out.iterdir())) <= 8
 
 
 # What marks a test file as running CUDA code: tensors put on a GPU, or a skip without one.
