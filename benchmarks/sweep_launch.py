@@ -1,7 +1,8 @@
 """The CUDA launcher's tuning sweep: the memory-bound steps of the optimizer benchmark (64M
 elements in 200 tensors) under each launch variant, in one process. The variants are run-time
 settings of the extension (``fusedamp._C.set_cuda_launch_settings``): the kernel parameter budget
-(4 KB or 32 KB, i.e. how many tensors one launch holds) and the chunk size (elements per block).
+(4 KB or 32 KB, i.e. how many tensors one launch holds), the chunk size (elements per block) and,
+for unscale_ and the check, the unroll depth (16-byte pieces in flight per thread).
 
 Per mode and variant: the kernel time (torch.profiler, the sum of the step's CUDA kernels), the
 wall time of a step on the device (CUDA events around the calls), the host time to issue one
@@ -31,6 +32,7 @@ from fusedamp.optim import FusedAdamW, FusedSGD
 
 PARAM_BYTES = (4096, 32764)
 CHUNK_SIZES = (2**14, 2**15, 2**16, 2**17)
+GRAD_UNROLLS = (2, 4, 8)
 # (optimizer, param dtype, options, bench_optim's peer name for its bytes per param).
 OPTIMIZER_MODES = {
     "adamw fp32": ("adamw", torch.float32, {}, "fusedamp"),
@@ -133,7 +135,7 @@ def stream_rate(numel: int, device: str, rounds: int) -> float:
 
 def sweep(
     sizes: list[int], device: str, rounds: int, modes: list[str], chunk_sizes: tuple[int, ...],
-    param_bytes: tuple[int, ...],
+    param_bytes: tuple[int, ...], grad_unrolls: tuple[int, ...],
 ) -> dict[str, Any]:
     stream = stream_rate(sum(sizes), device, rounds)
     rows = []
@@ -143,31 +145,39 @@ def sweep(
             make = optimizer_step if mode in OPTIMIZER_MODES else grad_op
             step, moved = make(mode, sizes, device)
             step()  # the optimizers' state
-            for budget in param_bytes:
-                for chunk_size in chunk_sizes:
-                    fusedamp._C.set_cuda_launch_settings(chunk_size=chunk_size, param_bytes=budget)
-                    step()
-                    kernels, launches = kernel_time(step, device, steps=3)
-                    wall = device_time(step, device, rounds)
-                    seconds = kernels if kernels else wall
-                    rows.append({
-                        "mode": mode,
-                        "param_bytes": budget,
-                        "chunk_size": chunk_size,
-                        "kernel_ms": None if kernels is None else kernels * 1e3,
-                        "wall_ms": wall * 1e3,
-                        "host_ms": host_time(step, device, rounds) * 1e3,
-                        "launches_per_step": launches,
-                        "bytes": moved,
-                        "gb_per_s": moved / seconds / 1e9,
-                        "share_of_stream": moved / seconds / 1e9 / stream,
-                    })
+            unrolls = (None,) if mode in OPTIMIZER_MODES else grad_unrolls
+            variants = [(b, c, u) for b in param_bytes for c in chunk_sizes for u in unrolls]
+            for budget, chunk_size, unroll in variants:
+                fusedamp._C.set_cuda_launch_settings(
+                    chunk_size=chunk_size, param_bytes=budget, grad_unroll=unroll
+                )
+                step()
+                kernels, launches = kernel_time(step, device, steps=3)
+                wall = device_time(step, device, rounds)
+                seconds = kernels if kernels else wall
+                rows.append({
+                    "mode": mode,
+                    "param_bytes": budget,
+                    "chunk_size": chunk_size,
+                    "grad_unroll": unroll,
+                    "kernel_ms": None if kernels is None else kernels * 1e3,
+                    "wall_ms": wall * 1e3,
+                    "host_ms": host_time(step, device, rounds) * 1e3,
+                    "launches_per_step": launches,
+                    "bytes": moved,
+                    "gb_per_s": moved / seconds / 1e9,
+                    "share_of_stream": moved / seconds / 1e9 / stream,
+                })
             del step
             if device == "cuda":
                 torch.cuda.empty_cache()
     finally:
         fusedamp._C.set_cuda_launch_settings(**previous)
     return {"stream_gb_per_s": stream, "rows": rows}
+
+
+def numbers(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
 
 
 def main() -> None:
@@ -181,6 +191,7 @@ def main() -> None:
     parser.add_argument("--modes", help="comma-separated modes (default: all)")
     parser.add_argument("--chunk-sizes", default=",".join(map(str, CHUNK_SIZES)))
     parser.add_argument("--param-bytes", default=",".join(map(str, PARAM_BYTES)))
+    parser.add_argument("--grad-unrolls", default=",".join(map(str, GRAD_UNROLLS)))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -192,13 +203,13 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}; known: {[*OPTIMIZER_MODES, *GRAD_MODES]}")
     sizes = param_sizes(elements, args.tensors)
     result = sweep(
-        sizes, args.device, rounds, modes, tuple(int(c) for c in args.chunk_sizes.split(",")),
-        tuple(int(b) for b in args.param_bytes.split(",")),
+        sizes, args.device, rounds, modes, numbers(args.chunk_sizes), numbers(args.param_bytes),
+        numbers(args.grad_unrolls),
     )
     print(f"sweep_launch: {sum(sizes)} elements in {len(sizes)} tensors on {args.device}, "
           f"in-place stream {result['stream_gb_per_s']:.0f} GB/s")
-    columns = ["mode", "param_bytes", "chunk_size", "kernel_ms", "wall_ms", "host_ms", "launches_per_step",
-               "share_of_stream"]
+    columns = ["mode", "param_bytes", "chunk_size", "grad_unroll", "kernel_ms", "wall_ms", "host_ms",
+               "launches_per_step", "share_of_stream"]
     print(format_table(result["rows"], columns))
     write_json(args.json, {"environment": environment(args.device), "elements": sum(sizes),
                            "tensors": len(sizes), "rounds": rounds, **result})

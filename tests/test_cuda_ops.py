@@ -250,8 +250,8 @@ def test_update_scale_matches_cpu_step_by_step() -> None:
 
 LAUNCH_SETTINGS = [
     {"param_bytes": 4096},
-    {"param_bytes": 0, "chunk_size": 2**12},
-    {"param_bytes": 4096, "chunk_size": 2**18},
+    {"param_bytes": 0, "chunk_size": 2**12, "grad_unroll": 8},
+    {"param_bytes": 4096, "chunk_size": 2**18, "grad_unroll": 2},
 ]
 
 

@@ -149,12 +149,14 @@ def test_gpu_check_sweep_stage_runs_alone_and_writes_its_json(tmp_path: Path) ->
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["stages"]) == ["build", "sweep"] and summary["ok"]
     sweep = json.loads((out / "sweep.json").read_text())
-    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes.
+    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes, and for the 2
+    # grad ops x 3 unroll depths.
     modes = {row["mode"] for row in sweep["rows"]}
-    assert len(modes) == 9 and len(sweep["rows"]) == 9 * 8
+    assert len(modes) == 9 and len(sweep["rows"]) == 7 * 8 + 2 * 8 * 3
     assert {(row["param_bytes"], row["chunk_size"]) for row in sweep["rows"]} == {
         (budget, 2**k) for budget in (4096, 32764) for k in range(14, 18)
     }
+    assert {row["grad_unroll"] for row in sweep["rows"]} == {None, 2, 4, 8}
     assert all(row["share_of_stream"] > 0 and row["bytes"] > 0 for row in sweep["rows"])
     assert sweep["stream_gb_per_s"] > 0
     assert len(list(out.iterdir())) <= 8

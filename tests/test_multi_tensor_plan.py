@@ -193,14 +193,37 @@ def test_grad_ops_step_is_one_launch_for_any_chunk_size(chunk_size: int) -> None
 def test_launch_settings_are_checked_and_restored() -> None:
     previous = _C.set_cuda_launch_settings(chunk_size=2**14, param_bytes=SMALL_PARAMS)
     try:
-        assert previous == {"chunk_size": DEFAULT_CHUNK, "param_bytes": 0}
-        assert _C.cuda_launch_settings() == {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS}
+        assert previous == {"chunk_size": DEFAULT_CHUNK, "param_bytes": 0, "grad_unroll": 4}
+        _C.set_cuda_launch_settings(grad_unroll=8)
+        expected = {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS, "grad_unroll": 8}
+        assert _C.cuda_launch_settings() == expected
         for bad in (3000, 2**11, 2**25):
             with pytest.raises(ValueError, match="chunk_size"):
                 _C.set_cuda_launch_settings(chunk_size=bad)
         with pytest.raises(ValueError, match="param_bytes"):
             _C.set_cuda_launch_settings(param_bytes=8192)
-        assert _C.cuda_launch_settings() == {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS}
+        with pytest.raises(ValueError, match="grad_unroll"):
+            _C.set_cuda_launch_settings(grad_unroll=3)
+        assert _C.cuda_launch_settings() == expected
     finally:
         _C.set_cuda_launch_settings(**previous)
     assert _C.cuda_launch_settings() == previous
+
+
+@pytest.mark.parametrize("element_bytes", [2, 4])
+@pytest.mark.parametrize("unroll", [2, 4, 8])
+def test_strided_pieces_cover_an_iteration_once_with_coalesced_warps(element_bytes: int, unroll: int) -> None:
+    threads = 256
+    piece = 16 // element_bytes
+    offsets = _C.testing.strided_pieces(element_bytes, unroll, threads)
+    flat = [offset for thread in offsets for offset in thread]
+    assert sorted(flat) == list(range(threads * unroll * piece))
+    for thread in offsets:
+        for u in range(unroll):  # each piece is 16 contiguous bytes
+            first = thread[u * piece]
+            assert thread[u * piece : (u + 1) * piece] == list(range(first, first + piece))
+    for warp in range(threads // 32):  # piece u of a warp's 32 lanes: 512 consecutive bytes
+        lanes = offsets[32 * warp : 32 * warp + 32]
+        for u in range(unroll):
+            starts = [lane[u * piece] for lane in lanes]
+            assert starts == list(range(starts[0], starts[0] + 32 * piece, piece))

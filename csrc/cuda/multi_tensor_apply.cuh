@@ -119,6 +119,84 @@ struct ElementGroup {
   }
 };
 
+// kUnroll 16-byte pieces of one list per thread and iteration of kElements elements ([note:
+// strided pieces]): piece u of thread t starts at element (u * kBlockThreads + t) * kPiece of the
+// iteration, so that a warp's access is 512 consecutive bytes and the thread's kUnroll loads are
+// all issued before its first store. For element-wise ops, whose results do not depend on which
+// thread computes an element.
+template <typename T, int kUnroll>
+struct StridedPieces {
+  static constexpr int kPiece = int(16 / sizeof(T));
+  static constexpr int kValues = kUnroll * kPiece;
+  static constexpr int kElements = kBlockThreads * kValues;
+  struct alignas(16) Piece {
+    T values[kPiece];
+  };
+
+  T values[kValues];
+
+  static __device__ __forceinline__ bool aligned(const T* pointer) {
+    return reinterpret_cast<uintptr_t>(pointer) % sizeof(Piece) == 0;
+  }
+
+  // The iteration's element that values[j] holds.
+  static __device__ __forceinline__ int offset(int j) {
+    return strided_piece_offset(j, int32_t(threadIdx.x), kPiece, kBlockThreads);
+  }
+
+  // The iteration at element `base` of a chunk of `count` elements; `vector`: it is complete and
+  // the chunk aligned. Elements past `count` read as zero: computed on like the others, never stored.
+  __device__ __forceinline__ void load(const T* chunk, int base, int count, bool vector) {
+    if (vector) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const Piece piece = reinterpret_cast<const Piece*>(chunk + base + offset(u * kPiece))[0];
+#pragma unroll
+        for (int j = 0; j < kPiece; ++j) values[u * kPiece + j] = piece.values[j];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kValues; ++j) values[j] = base + offset(j) < count ? chunk[base + offset(j)] : T(0);
+    }
+  }
+
+  __device__ __forceinline__ void store(T* chunk, int base, int count, bool vector) const {
+    if (vector) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        Piece piece;
+#pragma unroll
+        for (int j = 0; j < kPiece; ++j) piece.values[j] = values[u * kPiece + j];
+        reinterpret_cast<Piece*>(chunk + base + offset(u * kPiece))[0] = piece;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kValues; ++j) {
+        if (base + offset(j) < count) chunk[base + offset(j)] = values[j];
+      }
+    }
+  }
+};
+
+// Calls body(base, vector) for each iteration of StridedPieces<T, kUnroll> over a chunk of
+// `count` elements; `vector`: the iteration is complete and the chunk aligned.
+template <typename T, int kUnroll, typename Body>
+__device__ __forceinline__ void for_each_iteration(int count, bool aligned, Body&& body) {
+  constexpr int kElements = StridedPieces<T, kUnroll>::kElements;
+  for (int base = 0; base < count; base += kElements) body(base, aligned && base + kElements <= count);
+}
+
+// Calls launch(std::integral_constant<int, unroll>) with the grad ops' current unroll depth
+// (launch_settings, [note: strided pieces]).
+template <typename Launch>
+void with_grad_unroll(Launch&& launch) {
+  switch (launch_settings().grad_unroll.load(std::memory_order_relaxed)) {
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 8: return launch(std::integral_constant<int, 8>{});
+    default: return launch(std::integral_constant<int, 4>{});
+  }
+}
+
 // Whether every pointer allows the vector accesses of ElementGroup<T, E> (null does). A bitwise
 // and, not &&: short-circuit branches made ptxas keep the flag in local memory.
 template <int E, typename... T>

@@ -83,20 +83,25 @@ std::pair<int32_t, int64_t> optimizer_kernel_footprint_for_test(const std::strin
 // The CUDA launcher's settings as a dict.
 py::dict cuda_launch_settings() {
   const fusedamp::LaunchSettings& s = fusedamp::launch_settings();
-  return py::dict(py::arg("chunk_size") = s.chunk_size.load(), py::arg("param_bytes") = s.param_bytes.load());
+  return py::dict(py::arg("chunk_size") = s.chunk_size.load(), py::arg("param_bytes") = s.param_bytes.load(),
+                  py::arg("grad_unroll") = s.grad_unroll.load());
 }
 
-py::dict set_cuda_launch_settings(std::optional<int64_t> chunk_size, std::optional<int64_t> param_bytes) {
+py::dict set_cuda_launch_settings(std::optional<int64_t> chunk_size, std::optional<int64_t> param_bytes,
+                                  std::optional<int64_t> grad_unroll) {
   TORCH_CHECK_VALUE(!chunk_size || fusedamp::valid_chunk_size(*chunk_size), "set_cuda_launch_settings: chunk_size ",
                     *chunk_size, " is not a power of two in [", fusedamp::kMinChunkSize, ", ",
                     fusedamp::kMaxChunkSize, "]");
   TORCH_CHECK_VALUE(!param_bytes || fusedamp::valid_param_bytes(*param_bytes),
                     "set_cuda_launch_settings: param_bytes must be 0 (the largest allowed), 4096 or 32764, got ",
                     param_bytes.value_or(0));
+  TORCH_CHECK_VALUE(!grad_unroll || fusedamp::valid_grad_unroll(*grad_unroll),
+                    "set_cuda_launch_settings: grad_unroll must be 2, 4 or 8, got ", grad_unroll.value_or(0));
   py::dict previous = cuda_launch_settings();
   fusedamp::LaunchSettings& s = fusedamp::launch_settings();
   if (chunk_size) s.chunk_size.store(*chunk_size);
   if (param_bytes) s.param_bytes.store(*param_bytes);
+  if (grad_unroll) s.grad_unroll.store(*grad_unroll);
   return previous;
 }
 
@@ -275,12 +280,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
   m.def("cuda_launch_settings", &cuda_launch_settings,
-        "The CUDA multi-tensor launcher's settings: chunk_size (elements per block) and param_bytes "
-        "(kernel parameter budget; 0: the largest the device allows).");
+        "The CUDA multi-tensor launcher's settings: chunk_size (elements per block), param_bytes "
+        "(kernel parameter budget; 0: the largest the device allows) and grad_unroll (16-byte "
+        "pieces in flight per thread in unscale_ and check_and_norm_).");
   m.def("set_cuda_launch_settings", &set_cuda_launch_settings, py::arg("chunk_size") = py::none(),
-        py::arg("param_bytes") = py::none(),
-        "Set the CUDA launcher's chunk_size (a power of two, 4096 to 2^24) and/or param_bytes (0, 4096 "
-        "or 32764) for the ops issued next; returns the previous settings.");
+        py::arg("param_bytes") = py::none(), py::arg("grad_unroll") = py::none(),
+        "Set the CUDA launcher's chunk_size (a power of two, 4096 to 2^24), param_bytes (0, 4096 or "
+        "32764) and/or grad_unroll (2, 4 or 8) for the ops issued next; returns the previous settings.");
   fusedamp::def_prepared(m);
   m.def("last_level_cache_bytes", &fusedamp::cpu::last_level_cache_bytes,
         "The last-level cache the CPU optimizers size their param stores by, in bytes.");
@@ -305,6 +311,19 @@ PYBIND11_MODULE(_C, m) {
   testing.def("launch_blocks", &launch_blocks, py::arg("numels"), py::arg("chunk_size"), py::arg("lists"),
               py::arg("param_bytes"), py::arg("args_bytes"),
               "Blocks of each CUDA launch for a kernel of `lists` lists and `args_bytes` of arguments.");
+  testing.def("strided_pieces", [](int32_t element_bytes, int32_t unroll, int32_t threads) {
+    TORCH_CHECK_VALUE((element_bytes == 2 || element_bytes == 4) && unroll > 0 && threads > 0,
+                      "strided_pieces: element_bytes must be 2 or 4, unroll and threads positive");
+    const int32_t piece = 16 / element_bytes;
+    std::vector<std::vector<int32_t>> offsets(threads);
+    for (int32_t t = 0; t < threads; ++t) {
+      for (int32_t j = 0; j < unroll * piece; ++j) {
+        offsets[t].push_back(fusedamp::strided_piece_offset(j, t, piece, threads));
+      }
+    }
+    return offsets;
+  }, py::arg("element_bytes"), py::arg("unroll"), py::arg("threads"),
+     "The iteration's element each value of each thread holds in unscale_ and the check.");
   testing.def("optimizer_kernel_footprint", &optimizer_kernel_footprint_for_test, py::arg("op"),
               py::arg("master"), py::arg("codec"), py::arg("coded"),
               "(lists carried, argument bytes) of an optimizer's CUDA kernel in a mode.");

@@ -99,17 +99,22 @@ constexpr int32_t metadata_slots(int32_t lists, int64_t param_bytes, int64_t arg
 }
 
 // The CUDA launcher's settings, read when a multi-tensor op is issued: elements per chunk (one
-// block each) and the kernel parameter budget (0: the largest the device and driver allow, else
-// kSmallKernelParamBytes or kLargeKernelParamBytes where allowed). Run-time settings, so that a
+// block each), the kernel parameter budget (0: the largest the device and driver allow, else
+// kSmallKernelParamBytes or kLargeKernelParamBytes where allowed) and the grad ops' unroll depth. Run-time settings, so that a
 // tuning sweep times every variant in one process; the norm of check_and_norm_ sums per-chunk
 // partials, so its bits are those of one chunk size.
 constexpr int64_t kDefaultChunkSize = int64_t(1) << 16;
-constexpr int64_t kMinChunkSize = int64_t(1) << 12;  // whole iterations of every kernel
+constexpr int64_t kMinChunkSize = int64_t(1) << 12;  // whole iterations of the coded kernels
 constexpr int64_t kMaxChunkSize = int64_t(1) << 24;
+
+// The grad ops' 16-byte pieces per thread and iteration ([note: strided pieces]): all loaded
+// before the first store, so a thread has that many in flight. Each depth is its own kernel.
+constexpr int64_t kDefaultGradUnroll = 4;
 
 struct LaunchSettings {
   std::atomic<int64_t> chunk_size{kDefaultChunkSize};
   std::atomic<int64_t> param_bytes{0};
+  std::atomic<int64_t> grad_unroll{kDefaultGradUnroll};
 };
 
 inline LaunchSettings& launch_settings() {
@@ -121,8 +126,17 @@ inline bool valid_chunk_size(int64_t chunk_size) {
   return chunk_size >= kMinChunkSize && chunk_size <= kMaxChunkSize && (chunk_size & (chunk_size - 1)) == 0;
 }
 
+inline bool valid_grad_unroll(int64_t unroll) { return unroll == 2 || unroll == 4 || unroll == 8; }
+
 inline bool valid_param_bytes(int64_t param_bytes) {
   return param_bytes == 0 || param_bytes == kSmallKernelParamBytes || param_bytes == kLargeKernelParamBytes;
+}
+
+// [note: strided pieces] The element of an iteration that value j of thread `thread` holds when
+// each thread takes pieces of `piece` consecutive elements, `threads` pieces apart: piece u of
+// every thread of a block lies in one run of threads * piece elements.
+FUSEDAMP_HOST_DEVICE int32_t strided_piece_offset(int32_t j, int32_t thread, int32_t piece, int32_t threads) {
+  return ((j / piece) * threads + thread) * piece + j % piece;
 }
 
 // [note: per-tensor reduction] The blocks of one multi-tensor call, numbered across its launches
