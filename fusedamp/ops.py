@@ -31,6 +31,9 @@ def unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     through a contiguous copy written back. ``found_inf`` and ``inv_scale`` are float32
     one-element tensors on the grads' device; ``found_inf`` is left as it was when all are finite.
     """
+    if _fit_kernels(grads):
+        torch.ops.fusedamp.unscale_(grads, found_inf, inv_scale)
+        return
     fused, other, write_backs = _split_by_kernel(grads, "unscale_")
     torch.ops.fusedamp.unscale_(fused, found_inf, inv_scale)
     if other:
@@ -50,6 +53,9 @@ def check_and_norm_(
 
     Grads of dtypes without a fused kernel (float64, complex128) are checked with torch ops.
     """
+    if _fit_kernels(grads):
+        torch.ops.fusedamp.check_and_norm_(grads, found_inf, sum_of_squares, inv_scale)
+        return
     fused, other, _ = _split_by_kernel(grads, "check_and_norm_")
     torch.ops.fusedamp.check_and_norm_(fused, found_inf, sum_of_squares, inv_scale)
     for grad in other:
@@ -57,6 +63,12 @@ def check_and_norm_(
         if sum_of_squares is not None:
             unscaled = grad if inv_scale is None else grad * inv_scale
             sum_of_squares.add_(unscaled.square().sum())
+
+
+def _fit_kernels(grads: list[Tensor]) -> bool:
+    """Whether the fused kernels take ``grads`` as they are (the usual case), found without a
+    Python loop over them; under torch.compile the split below is traced instead."""
+    return not torch.compiler.is_compiling() and _C.grads_fit_kernels(grads)
 
 
 def _split_by_kernel(

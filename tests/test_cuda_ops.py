@@ -18,6 +18,7 @@ import pytest
 import torch
 from op_table import master_value
 
+import fusedamp
 import fusedamp.ops as ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -245,6 +246,33 @@ def test_update_scale_matches_cpu_step_by_step() -> None:
             )
         for cpu_value, cuda_value in zip(states["cpu"], states[CUDA], strict=True):
             assert torch.equal(cuda_value.cpu(), cpu_value)
+
+
+LAUNCH_SETTINGS = [
+    {"param_bytes": 4096},
+    {"param_bytes": 0, "chunk_size": 2**12, "grad_unroll": 8},
+    {"param_bytes": 4096, "chunk_size": 2**18, "grad_unroll": 2},
+]
+
+
+@pytest.mark.parametrize("settings", LAUNCH_SETTINGS, ids=str)
+def test_grad_ops_under_every_launch_setting(settings: dict) -> None:
+    sizes = torch.randint(0, 300, (1200,), generator=torch.Generator().manual_seed(23)).tolist() + [300_001]
+    dtypes = [FLOAT_DTYPES[i % 3] for i in range(len(sizes))]
+    grads = grads_of(dtypes, sizes, seed=24)
+    grads[1200][300_000] = math.inf
+    previous = fusedamp._C.set_cuda_launch_settings(**settings)
+    try:
+        (cpu_grads, cpu_found), (cuda_grads, cuda_found) = run_unscale(grads, 0.25)
+        found, total = run_check(grads[:1200], CUDA, 0.25)
+        again = run_check(grads[:1200], CUDA, 0.25)[1]
+    finally:
+        fusedamp._C.set_cuda_launch_settings(**previous)
+    assert cpu_found.item() == cuda_found.item() == 1.0 and found.item() == 0.0
+    for actual, expected in zip(cuda_grads, cpu_grads, strict=True):
+        assert_same(actual.cpu(), expected)
+    assert torch.equal(bits(total.cpu()), bits(again.cpu()))
+    assert total.item() == pytest.approx(run_check(grads[:1200], "cpu", 0.25)[1].item(), rel=1e-5)
 
 
 # --- grad_stats ---------------------------------------------------------------------------
@@ -511,6 +539,25 @@ def test_optimizer_many_tiny_tensors(optimizer: str) -> None:
     sizes = torch.randint(0, 21, (1000,), generator=torch.Generator().manual_seed(9)).tolist()
     tensors = optimizer_tensors(OPTIMIZER_CONFIGS[4], sizes, n_states, seed=10)
     assert_optimizer_results_match(run(tensors, CUDA, inv=0.5), run(tensors, "cpu", inv=0.5), "fp32")
+
+
+@pytest.mark.parametrize("settings", LAUNCH_SETTINGS, ids=str)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_matches_cpu_under_every_launch_setting(optimizer: str, settings: dict) -> None:
+    """Chunk size and kernel parameter budget change how the work is cut into blocks and launches,
+    never an element's result: 1000 tensors (several 4 KB launches) and a few long ones."""
+    run, n_states = OPTIMIZERS[optimizer]
+    generator = torch.Generator().manual_seed(21)
+    sizes = torch.randint(0, 300, (1000,), generator=generator).tolist() + [300_001, 70_000]
+    for config in (OPTIMIZER_CONFIGS[0], OPTIMIZER_CONFIGS[5]):
+        tensors = optimizer_tensors(config, sizes, n_states, seed=22)
+        expected = run(tensors, "cpu", inv=0.5, clip=0.7, steps=2)
+        previous = fusedamp._C.set_cuda_launch_settings(**settings)
+        try:
+            actual = run(tensors, CUDA, inv=0.5, clip=0.7, steps=2)
+        finally:
+            fusedamp._C.set_cuda_launch_settings(**previous)
+        assert_optimizer_results_match(actual, expected, config[2])
 
 
 @pytest.mark.large

@@ -72,8 +72,13 @@ def test_source_digest_covers_every_file_the_build_compiles() -> None:
     assert (ROOT / "csrc" / "cuda" / "amp.cu").exists() and (ROOT / "fusedamp" / "_cuda_archs.py").exists()
 
 
-def carried_checkout(tmp_path: Path) -> Path:
-    """A copy of the checkout with this checkout's build carried in .device_build, as on a device."""
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and timeout")
+
+
+def dry_run(tmp_path: Path, **settings: str) -> tuple[subprocess.CompletedProcess, Path, dict[str, str]]:
+    """gpu_check.sh in its dry run from a copy of this checkout with its build carried, the
+    GPU_CHECK_* `settings` added: the result, the $OUT folder and its logs by name."""
     checkout = tmp_path / "checkout"
     ignore = shutil.ignore_patterns("__pycache__", "results", "*.egg-info")
     for name in ("benchmarks", "csrc", "fusedamp", "tests", "tools"):
@@ -87,23 +92,13 @@ def carried_checkout(tmp_path: Path) -> Path:
         library.rename(carried / library.name)
     shutil.copy2(checkout / "fusedamp" / "_build_meta.py", carried / "_build_meta.py")
     device_build.write_manifest(str(carried), ARCHS, str(checkout))
-    return checkout
 
-
-def dry_run_env(out: Path, **settings: str) -> dict[str, str]:
+    out = tmp_path / "out"
     env = {
         key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "TORCH_CUDA_ARCH_LIST")
     }
-    env.update(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_DRY_RUN="1", CUDA_VISIBLE_DEVICES="",
-               **settings)
-    return env
-
-
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
-def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
-    checkout = carried_checkout(tmp_path)
-    out = tmp_path / "out"
-    env = dry_run_env(out, GPU_CHECK_BENCHMARKS="gemm", GPU_CHECK_BENCHMARK_S="120")
+    env.update(OUT=str(out), PYTHON=sys.executable, GPU_CHECK_DRY_RUN="1", CUDA_VISIBLE_DEVICES="")
+    env.update(settings)
     result = subprocess.run(
         ["bash", str(checkout / "tools" / "gpu_check.sh")],
         env=env,
@@ -112,7 +107,12 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
         text=True,
         timeout=600,
     )
-    logs = {path.name: path.read_text() for path in out.glob("*.log")}
+    return result, out, {path.name: path.read_text() for path in out.glob("*.log")}
+
+
+@needs_bash
+def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
+    result, out, logs = dry_run(tmp_path, GPU_CHECK_BENCHMARKS="gemm", GPU_CHECK_BENCHMARK_S="120")
     assert result.returncode == 0, result.stdout + result.stderr + "".join(logs.values())
     summary = json.loads((out / "summary.json").read_text())
     stages = summary["stages"]
@@ -147,14 +147,10 @@ def test_gpu_check_dry_run_runs_every_stage_entry_point(tmp_path: Path) -> None:
     assert not any("ModuleNotFoundError" in text or "ImportError" in text for text in logs.values())
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash")
+@needs_bash
 def test_gpu_check_runs_the_gemm_sweep_only_when_asked(tmp_path: Path) -> None:
-    checkout = carried_checkout(tmp_path)
-    out = tmp_path / "out"
-    env = dry_run_env(out, GPU_CHECK_STAGES="gemm_sweep", GPU_CHECK_SWEEP_ARGS="--dtypes bf16")
-    result = subprocess.run(["bash", str(checkout / "tools" / "gpu_check.sh")], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300)
-    log = (out / "benchmarks.log").read_text()
+    result, out, logs = dry_run(tmp_path, GPU_CHECK_STAGES="gemm_sweep", GPU_CHECK_SWEEP_ARGS="--dtypes bf16")
+    log = logs["benchmarks.log"]
     assert result.returncode == 0, result.stdout + result.stderr + log
     stages = json.loads((out / "summary.json").read_text())["stages"]
     assert list(stages) == ["build", "gemm_sweep"] and stages["gemm_sweep"]["status"] == "passed"
@@ -165,6 +161,26 @@ def test_gpu_check_runs_the_gemm_sweep_only_when_asked(tmp_path: Path) -> None:
     assert "would time mlp down t=16384 (M=16384 N=4096 K=16384)" in log
     assert "would time k sweep 4096x4096 k=16384" in log
     assert "dry run, 204 timings planned" in log
+
+
+@needs_bash
+def test_gpu_check_sweep_stage_runs_alone_and_writes_its_json(tmp_path: Path) -> None:
+    result, out, logs = dry_run(tmp_path, GPU_CHECK_STAGES="sweep")
+    assert result.returncode == 0, result.stdout + result.stderr + "".join(logs.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["stages"]) == ["build", "sweep"] and summary["ok"]
+    sweep = json.loads((out / "sweep.json").read_text())
+    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes, and for the 2
+    # grad ops x 3 unroll depths.
+    modes = {row["mode"] for row in sweep["rows"]}
+    assert len(modes) == 9 and len(sweep["rows"]) == 7 * 8 + 2 * 8 * 3
+    assert {(row["param_bytes"], row["chunk_size"]) for row in sweep["rows"]} == {
+        (budget, 2**k) for budget in (4096, 32764) for k in range(14, 18)
+    }
+    assert {row["grad_unroll"] for row in sweep["rows"]} == {None, 2, 4, 8}
+    assert all(row["share_of_stream"] > 0 and row["bytes"] > 0 for row in sweep["rows"])
+    assert sweep["stream_gb_per_s"] > 0
+    assert len(list(out.iterdir())) <= 8
 
 
 # What marks a test file as running CUDA code: tensors put on a GPU, or a skip without one.

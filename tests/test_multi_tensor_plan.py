@@ -128,3 +128,102 @@ def test_any_list_is_planned_exactly(
     numels: list[int], chunk_size: int, max_tensors: int, max_blocks: int
 ) -> None:
     check_plan(numels, chunk_size, max_tensors, max_blocks)
+
+
+# --- one launch per step ([note: kernel parameter budget]) -------------------------------------
+
+H200_SMS = 132
+SMALL_PARAMS, LARGE_PARAMS = 4096, 32764
+DEFAULT_CHUNK = 2**16
+
+# Every (master, codec, coded) mode an optimizer's CUDA kernels run: fp32 params; half params with
+# an fp32 master or a bf16 remainder (a master list either way); bf16 or int8 states (coded);
+# stochastically rounded half params without a master (coded, fp32 states).
+OPTIMIZER_MODES = [
+    (master, codec, coded)
+    for master in (False, True)
+    for codec, coded in (("float32", False), ("float32", True), ("bfloat16", True), ("int8", True))
+]
+
+
+def benchmark_step_numels() -> list[int]:
+    """The parameter sizes of benchmarks/bench_optim.py's CUDA step: 64M elements in 200 tensors."""
+    from benchmarks.bench_optim import DEFAULT_ELEMENTS, TENSORS, param_sizes
+
+    return param_sizes(DEFAULT_ELEMENTS["cuda"], TENSORS)
+
+
+@pytest.mark.parametrize("op", ["adamw", "sgd", "muon"])
+@pytest.mark.parametrize("master,codec,coded", OPTIMIZER_MODES)
+def test_benchmark_step_is_one_launch_that_covers_an_h200(
+    op: str, master: bool, codec: str, coded: bool
+) -> None:
+    numels = benchmark_step_numels()
+    assert len(numels) == 200 and sum(numels) == 64 << 20
+    lists, args_bytes = _C.testing.optimizer_kernel_footprint(op, master, codec, coded)
+    blocks = _C.testing.launch_blocks(numels, DEFAULT_CHUNK, lists, LARGE_PARAMS, args_bytes)
+    assert len(blocks) == 1
+    assert blocks[0] == sum(-(-n // DEFAULT_CHUNK) for n in numels) >= 4 * H200_SMS
+    # The 4 KB fallback still plans every chunk, in more launches.
+    small = _C.testing.launch_blocks(numels, DEFAULT_CHUNK, lists, SMALL_PARAMS, args_bytes)
+    assert sum(small) == blocks[0] and len(small) > 1
+
+
+def test_launches_carry_only_the_lists_their_mode_reads() -> None:
+    footprint = _C.testing.optimizer_kernel_footprint
+    # AdamW: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad, a run-time flag), step;
+    # + master; + three scales for int8; + the rounding ids in the coded modes. Of 11 lists.
+    assert footprint("adamw", False, "float32", False)[0] == 6
+    assert footprint("adamw", True, "float32", False)[0] == 7
+    assert footprint("adamw", True, "bfloat16", True)[0] == 8
+    assert footprint("adamw", True, "int8", True)[0] == 11
+    assert footprint("sgd", False, "float32", False)[0] == 4
+    assert footprint("sgd", True, "int8", True)[0] == 7
+    assert footprint("muon", False, "float32", False)[0] == 4
+
+
+@pytest.mark.parametrize("chunk_size", [2**12, 2**14, 2**16, 2**18])
+def test_grad_ops_step_is_one_launch_for_any_chunk_size(chunk_size: int) -> None:
+    numels = benchmark_step_numels()
+    # One list (the grads); the grad ops' own arguments are a few pointers (at most 32 bytes).
+    blocks = _C.testing.launch_blocks(numels, chunk_size, 1, LARGE_PARAMS, 32)
+    assert blocks == [sum(-(-n // chunk_size) for n in numels)]
+
+
+def test_launch_settings_are_checked_and_restored() -> None:
+    previous = _C.set_cuda_launch_settings(chunk_size=2**14, param_bytes=SMALL_PARAMS)
+    try:
+        assert previous == {"chunk_size": DEFAULT_CHUNK, "param_bytes": 0, "grad_unroll": 4}
+        _C.set_cuda_launch_settings(grad_unroll=8)
+        expected = {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS, "grad_unroll": 8}
+        assert _C.cuda_launch_settings() == expected
+        for bad in (3000, 2**11, 2**25):
+            with pytest.raises(ValueError, match="chunk_size"):
+                _C.set_cuda_launch_settings(chunk_size=bad)
+        with pytest.raises(ValueError, match="param_bytes"):
+            _C.set_cuda_launch_settings(param_bytes=8192)
+        with pytest.raises(ValueError, match="grad_unroll"):
+            _C.set_cuda_launch_settings(grad_unroll=3)
+        assert _C.cuda_launch_settings() == expected
+    finally:
+        _C.set_cuda_launch_settings(**previous)
+    assert _C.cuda_launch_settings() == previous
+
+
+@pytest.mark.parametrize("element_bytes", [2, 4])
+@pytest.mark.parametrize("unroll", [2, 4, 8])
+def test_strided_pieces_cover_an_iteration_once_with_coalesced_warps(element_bytes: int, unroll: int) -> None:
+    threads = 256
+    piece = 16 // element_bytes
+    offsets = _C.testing.strided_pieces(element_bytes, unroll, threads)
+    flat = [offset for thread in offsets for offset in thread]
+    assert sorted(flat) == list(range(threads * unroll * piece))
+    for thread in offsets:
+        for u in range(unroll):  # each piece is 16 contiguous bytes
+            first = thread[u * piece]
+            assert thread[u * piece : (u + 1) * piece] == list(range(first, first + piece))
+    for warp in range(threads // 32):  # piece u of a warp's 32 lanes: 512 consecutive bytes
+        lanes = offsets[32 * warp : 32 * warp + 32]
+        for u in range(unroll):
+            starts = [lane[u * piece] for lane in lanes]
+            assert starts == list(range(starts[0], starts[0] + 32 * piece, piece))

@@ -16,9 +16,9 @@
 # stage's cap (default 150 s; each module may take all of it but 50 s: bench_optim needs about
 # 240 s on an H200, its torchao peer most of it, so it gets a call of its own:
 # GPU_CHECK_STAGES=benchmarks GPU_CHECK_BENCHMARKS=optim GPU_CHECK_BENCHMARK_S=300);
-# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun; the
-# GEMM sweep, gemm_sweep, runs only when named there: GPU_CHECK_STAGES=gemm_sweep, about 3 minutes,
-# writes gemm_sweep.json);
+# GPU_CHECK_STAGES limits the run to some stages (e.g. "cuda_tests,benchmarks", for a rerun); the
+# two tuning sweeps run only when named there, each alone, about 3 minutes each: "sweep" (the
+# multi-tensor launcher's, writes sweep.json) and "gemm_sweep" (the GEMM's, writes gemm_sweep.json);
 # GPU_CHECK_TESTS the CUDA tests to some files (default: all of tests/, e.g. "tests/test_offload.py
 # tests/test_offload_overlap.py"; CONTRIBUTING.md has the call for the offloaded training benchmark).
 # Everything lands in $OUT, at most 8 files, to copy back from the GPU machine: summary.json
@@ -214,5 +214,11 @@ stage benchmarks "$BENCHMARK_S" "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks
 demo=(--time-budget 45)
 if (( DRY_RUN )); then demo=(--modes fp32 --epochs 1 --batch-size 32 --train-size 64 --test-size 32); fi
 stage demo 60 "$OUT/benchmarks.log" "$PYTHON" -u -m fusedamp.demo "${demo[@]}" --json "$OUT/demo.json" || status=1
+# The launcher's tuning sweep (benchmarks/sweep_launch.py: chunk sizes and kernel parameter
+# budgets, kernel and wall times, into sweep.json): only when GPU_CHECK_STAGES names it, as it
+# does not fit one call beside the stages above: GPU_CHECK_STAGES=sweep bash tools/gpu_check.sh
+if [[ ",$STAGES_WANTED," == *",sweep,"* ]]; then
+  stage sweep 200 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks.sweep_launch --json "$OUT/sweep.json" || status=1
+fi
 echo "gpu_check: total $(( $(date +%s) - START )) s"
 exit "$status"

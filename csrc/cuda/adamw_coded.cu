@@ -11,9 +11,9 @@ namespace {
 
 // kStochastic: half params without masters (M == kNone) take the fp32 update stochastically
 // rounded, with the bits of math/stochastic.h; the math then runs on the param as fp32.
-template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic>
+template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    adamw_coded_kernel(const __grid_constant__ ChunkMetadata<kAdamWLists> meta, const StepArgs<AdamWCall> args) {
+    adamw_coded_kernel(const __grid_constant__ Meta meta, const StepArgs<AdamWCall> args) {
   constexpr int E = kOptimizerElements;
   using State = codec_storage_t<C>;
   const auto s = begin_step_chunk<AdamWCall>(meta, args);  // [note: optimizer chunk]
@@ -70,9 +70,14 @@ __global__ void __launch_bounds__(kBlockThreads)
 void adamw_coded_cuda(const AdamWCall& call) {
   const StepArgs<AdamWCall> args = step_args(call);
   with_coded_kernel(call, [&](auto p, auto g, auto m, auto c, auto stochastic) {
-    const auto kernel = adamw_coded_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value,
-                                           decltype(c)::value, decltype(stochastic)::value>;
-    launch_chunks<kAdamWLists>(kernel, call.lists.pointers, call.lists.numels, args);
+    constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+    constexpr MasterKind M = decltype(m)::value;
+    constexpr StateCodec C = decltype(c)::value;
+    constexpr bool kStochastic = decltype(stochastic)::value;
+    constexpr uint32_t kLists = AdamWCall::kernel_lists(M != MasterKind::kNone, C, true);
+    launch_chunks<kLists>(
+        [](auto meta) { return adamw_coded_kernel<P, G, M, C, kStochastic, typename decltype(meta)::type>; },
+        call.lists.pointers, call.lists.numels, current_chunk_size(), args);
   });
 }
 

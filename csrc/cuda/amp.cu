@@ -14,31 +14,30 @@
 namespace fusedamp::cuda {
 namespace {
 
-// Sixteen elements per thread per iteration: two 128-bit loads in flight for 16-bit grads (four
-// for fp32), so that even the read-only check keeps enough bytes in flight to saturate HBM; at
-// ~32 registers, eight 256-thread blocks fit on an SM.
-constexpr int kGradElements = 16;
-
 struct UnscaleArgs {
   float* found_inf;
   const float* inv_scale;
 };
 
-template <DType G>
+// The grad ops read one list: the grads.
+constexpr uint32_t kGradLists = list_bit(0);
+
+// kUnroll 16-byte pieces per thread and iteration ([note: strided pieces]), a run-time choice.
+template <DType G, int kUnroll, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    unscale_kernel(const __grid_constant__ ChunkMetadata<1> meta, const UnscaleArgs args) {
-  using Group = ElementGroup<storage_t<G>, kGradElements>;
+    unscale_kernel(const __grid_constant__ Meta meta, const UnscaleArgs args) {
+  using Pieces = StridedPieces<storage_t<G>, kUnroll>;
   const ChunkLocation chunk = this_chunk(meta);
   storage_t<G>* grad = chunk_pointer<storage_t<G>>(meta, 0, chunk);
   const int count = int(chunk.count);
   const float inv_scale = *args.inv_scale;
   bool found = false;
-  for_each_group<kGradElements>(count, Group::aligned(grad), [&](int first, bool vector) {
-    Group group;
-    group.load(grad, first, count, vector);
+  for_each_iteration<storage_t<G>, kUnroll>(count, Pieces::aligned(grad), [&](int base, bool vector) {
+    Pieces pieces;
+    pieces.load(grad, base, count, vector);
 #pragma unroll
-    for (int j = 0; j < kGradElements; ++j) found |= unscale_element<G>(group.values, j, inv_scale);
-    group.store(grad, first, count, vector);
+    for (int j = 0; j < Pieces::kValues; ++j) found |= unscale_element<G>(pieces.values, j, inv_scale);
+    pieces.store(grad, base, count, vector);
   });
   if (__syncthreads_or(found) && threadIdx.x == 0) *args.found_inf = 1.0f;
 }
@@ -49,23 +48,25 @@ struct CheckArgs {
   double* partial_sums;    // one per block of the call; null: no norm wanted
 };
 
-template <DType G>
+// The sum of squares adds each thread's elements in its order, then the block's threads and the
+// blocks in a fixed order: the same bits run to run for one chunk size and unroll depth.
+template <DType G, int kUnroll, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    check_kernel(const __grid_constant__ ChunkMetadata<1> meta, const CheckArgs args) {
-  using Group = ElementGroup<storage_t<G>, kGradElements>;
+    check_kernel(const __grid_constant__ Meta meta, const CheckArgs args) {
+  using Pieces = StridedPieces<storage_t<G>, kUnroll>;
   const ChunkLocation chunk = this_chunk(meta);
   const storage_t<G>* grad = chunk_pointer<storage_t<G>>(meta, 0, chunk);
   const int count = int(chunk.count);
   const float multiplier = args.inv_scale ? *args.inv_scale : 1.0f;
   bool found = false;
   float sum_of_squares = 0.0f;
-  for_each_group<kGradElements>(count, Group::aligned(grad), [&](int first, bool vector) {
-    Group group;
-    group.load(grad, first, count, vector);
+  for_each_iteration<storage_t<G>, kUnroll>(count, Pieces::aligned(grad), [&](int base, bool vector) {
+    Pieces pieces;
+    pieces.load(grad, base, count, vector);
     // Skip the zeros past the end: times an infinite multiplier they would add NaN.
 #pragma unroll
-    for (int j = 0; j < kGradElements; ++j) {
-      if (first + j < count) found |= check_element<G>(group.values, j, multiplier, sum_of_squares);
+    for (int j = 0; j < Pieces::kValues; ++j) {
+      if (base + Pieces::offset(j) < count) found |= check_element<G>(pieces.values, j, multiplier, sum_of_squares);
     }
   });
   if (__syncthreads_or(found) && threadIdx.x == 0) *args.found_inf = 1.0f;
@@ -89,9 +90,16 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
 void unscale_cuda(const UnscaleCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const UnscaleArgs args{call.found_inf, call.inv_scale};
+  const int64_t chunk_size = current_chunk_size();
   for (const GradGroup& group : group_by_dtype(call.grads, call.dtypes)) {
     with_float_dtype(group.dtype, [&](auto g) {
-      launch_chunks<1>(unscale_kernel<decltype(g)::value>, group.pointers, group.numels, args);
+      with_grad_unroll([&](auto unroll) {
+        constexpr DType G = decltype(g)::value;
+        constexpr int kUnroll = decltype(unroll)::value;
+        launch_chunks<kGradLists>(
+            [](auto meta) { return unscale_kernel<G, kUnroll, typename decltype(meta)::type>; }, group.pointers,
+            group.numels, chunk_size, args);
+      });
     });
   }
 }
@@ -104,8 +112,9 @@ void unscale_cuda(const UnscaleCall& call) {
 void check_and_norm_cuda(const CheckAndNormCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const std::vector<GradGroup> groups = group_by_dtype(call.grads, call.dtypes);
+  const int64_t chunk_size = current_chunk_size();
   int64_t blocks = 0;
-  for (const GradGroup& group : groups) blocks += total_chunks(group.numels);
+  for (const GradGroup& group : groups) blocks += total_chunks(group.numels, chunk_size);
   const bool norm = call.sum_of_squares != nullptr;
   at::Tensor partial_sums;
   if (norm) {
@@ -115,9 +124,15 @@ void check_and_norm_cuda(const CheckAndNormCall& call) {
   CheckArgs args{call.found_inf, call.inv_scale, norm ? partial_sums.data_ptr<double>() : nullptr};
   for (const GradGroup& group : groups) {
     with_float_dtype(group.dtype, [&](auto g) {
-      launch_chunks<1>(check_kernel<decltype(g)::value>, group.pointers, group.numels, args);
+      with_grad_unroll([&](auto unroll) {
+        constexpr DType G = decltype(g)::value;
+        constexpr int kUnroll = decltype(unroll)::value;
+        launch_chunks<kGradLists>(
+            [](auto meta) { return check_kernel<G, kUnroll, typename decltype(meta)::type>; }, group.pointers,
+            group.numels, chunk_size, args);
+      });
     });
-    if (norm) args.partial_sums += total_chunks(group.numels);
+    if (norm) args.partial_sums += total_chunks(group.numels, chunk_size);
   }
   if (norm) {
     reduce_segments(partial_sums.const_data_ptr<double>(), {Segment{0, int32_t(blocks), 0}}, 0.0,

@@ -25,7 +25,7 @@ struct CodedIterations {
   static_assert(kWarpsPerCodecBlock >= 1 && int(kCodecBlock) % (E * 32) == 0,
                 "a codec block must be whole warps");
   static_assert(kElements % int(kCodecBlock) == 0, "an iteration must be whole codec blocks");
-  static_assert(kChunkSize % kElements == 0, "a chunk must be whole iterations");
+  static_assert(kMinChunkSize % kElements == 0, "a chunk must be whole iterations");
 };
 
 // Calls body(first, vector) for this thread's group of E elements in each iteration of a chunk of
@@ -40,10 +40,9 @@ __device__ __forceinline__ void for_each_coded_group(int count, bool aligned, Bo
 }
 
 // The scales of an 8-bit state list from the chunk's first block (null stays null: no scales).
-template <int kLists>
-__device__ __forceinline__ uint16_t* chunk_scales(const ChunkMetadata<kLists>& meta, int list,
-                                                  const ChunkLocation& chunk) {
-  uint16_t* base = static_cast<uint16_t*>(meta.pointers[list][chunk.slot]);
+template <typename Meta>
+__device__ __forceinline__ uint16_t* chunk_scales(const Meta& meta, int list, const ChunkLocation& chunk) {
+  uint16_t* base = slot_pointer<uint16_t>(meta, list, chunk.slot);
   return base == nullptr ? nullptr : base + chunk.begin / kCodecBlock;
 }
 

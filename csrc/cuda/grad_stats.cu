@@ -38,9 +38,9 @@ struct StoreGradStats {
   }
 };
 
-template <DType G>
+template <DType G, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    grad_stats_kernel(const __grid_constant__ ChunkMetadata<1> meta, const GradStatsArgs args) {
+    grad_stats_kernel(const __grid_constant__ Meta meta, const GradStatsArgs args) {
   const ChunkLocation chunk = this_chunk(meta);
   const auto* grad = chunk_pointer<const storage_t<G>>(meta, 0, chunk);
   const float multiplier = args.inv_scale ? *args.inv_scale : 1.0f;
@@ -55,8 +55,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 void grad_stats_cuda(const GradStatsCall& call) {
   const c10::cuda::CUDAGuard guard(call.device);
   const std::vector<GradGroup> groups = group_by_dtype(call.grads, call.dtypes);
+  const int64_t chunk_size = current_chunk_size();
   int64_t blocks = 0;
-  for (const GradGroup& group : groups) blocks += total_chunks(group.numels);
+  for (const GradGroup& group : groups) blocks += total_chunks(group.numels, chunk_size);
   static_assert(sizeof(GradStats) % sizeof(int64_t) == 0, "GradStats: whole int64 words");
   const at::Tensor partials = at::empty(
       {std::max<int64_t>(blocks, 1) * int64_t(sizeof(GradStats) / sizeof(int64_t))},
@@ -64,11 +65,13 @@ void grad_stats_cuda(const GradStatsCall& call) {
   GradStatsArgs args{call.inv_scale, reinterpret_cast<GradStats*>(partials.data_ptr<int64_t>())};
   for (const GradGroup& group : groups) {
     with_float_dtype(group.dtype, [&](auto g) {
-      launch_chunks<1>(grad_stats_kernel<decltype(g)::value>, group.pointers, group.numels, args);
+      constexpr DType G = decltype(g)::value;
+      launch_chunks<list_bit(0)>([](auto meta) { return grad_stats_kernel<G, typename decltype(meta)::type>; },
+                                 group.pointers, group.numels, chunk_size, args);
     });
-    reduce_per_tensor(args.partials, group.numels, group.indices, GradStats{}, MergeGradStats{},
+    reduce_per_tensor(args.partials, group.numels, chunk_size, group.indices, GradStats{}, MergeGradStats{},
                       StoreGradStats{call.counts, call.max_abs});
-    args.partials += total_chunks(group.numels);
+    args.partials += total_chunks(group.numels, chunk_size);
   }
 }
 

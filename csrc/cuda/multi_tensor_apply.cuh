@@ -1,6 +1,6 @@
-// The CUDA multi-tensor launcher (one block per chunk, metadata passed by value), the register
-// staging that lets the shared per-element math run on vector loads, and the reductions: over a
-// block, and of per-block partials per tensor.
+// The CUDA multi-tensor launcher (one block per chunk, the metadata of the lists a kernel reads
+// passed by value), the register staging that lets the shared per-element math run on vector
+// loads, and the reductions: over a block, and of per-block partials per tensor.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -19,43 +20,51 @@
 
 namespace fusedamp::cuda {
 
-// 64K elements per block: enough work to amortize a block's start (slot lookup, coefficients),
-// and a 100M-parameter model still spreads over ~1500 blocks.
-constexpr int64_t kChunkSize = int64_t(1) << 16;
 // 256 threads: several blocks per SM keep the memory system busy while one drains, and the
 // register allocator has room (at 512, ptxas spilled in the fp32 AdamW kernel to fit 64 regs).
 constexpr int kBlockThreads = 256;
-// Kernel parameters are limited to 4 KB: the metadata takes at most this much, the op's own
-// arguments the rest (checked where a kernel is launched).
-constexpr size_t kMaxKernelParamBytes = 4096;
-constexpr size_t kMaxMetadataBytes = 3584;
 
-// What one launch works on: the tensors of kLists parallel lists in up to kMaxTensors slots and,
-// per slot, its range of blocks (see SlotRanges). Passed by value: no copy to the device.
-template <int kLists>
+// What one launch works on ([note: kernel parameter budget]): the tensors of the carried lists
+// (bit l of kLists: list l of the op) in up to kSlots slots and, per slot, its range of blocks
+// (see SlotRanges). Passed by value: no copy to the device.
+template <uint32_t kLists, int32_t kSlots>
 struct ChunkMetadata {
-  // Per slot: kLists pointers, numel, first_chunk, first_block; 16 bytes for the rest.
-  static constexpr int kMaxTensors = int((kMaxMetadataBytes - 16) / (kLists * 8 + 20));
+  static constexpr uint32_t kListMask = kLists;
+  static constexpr int32_t kMaxTensors = kSlots;
+  static_assert(kSlots > 0, "ChunkMetadata: no slot fits the kernel parameter budget");
 
-  void* pointers[kLists][kMaxTensors];  // base of each list's tensor (null: list not used)
-  int64_t numels[kMaxTensors];
-  int64_t first_chunk[kMaxTensors];
+  void* pointers[list_count(kLists)][kSlots];  // base of each carried list's tensor (null: none)
+  int64_t numels[kSlots];
+  int64_t first_chunk[kSlots];
   int64_t block_offset;  // blocks of the same call in earlier launches: indexes per-block output
-  int32_t first_block[kMaxTensors];
+  int64_t chunk_size;    // elements per block (the last chunk of a tensor may be shorter)
+  int32_t first_block[kSlots];
   int32_t slots;
 };
 
-template <int kLists>
-__device__ __forceinline__ ChunkLocation this_chunk(const ChunkMetadata<kLists>& meta) {
-  return locate_chunk(meta.first_block, meta.first_chunk, meta.numels, meta.slots,
-                      int32_t(blockIdx.x), kChunkSize);
+// The metadata of a kernel that reads the lists `kLists` and takes `Args` besides, within
+// kParamBytes of kernel parameters.
+template <uint32_t kLists, typename Args, int64_t kParamBytes>
+using MetadataFor = ChunkMetadata<kLists, metadata_slots(list_count(kLists), kParamBytes, int64_t(sizeof(Args)))>;
+
+template <typename Meta>
+__device__ __forceinline__ ChunkLocation this_chunk(const Meta& meta) {
+  return locate_chunk(meta.first_block, meta.first_chunk, meta.numels, meta.slots, int32_t(blockIdx.x),
+                      meta.chunk_size);
+}
+
+// The base of list `list`'s tensor in `slot` (null when the launch does not carry the list: the
+// kernel does not read it in this mode; folded at compile time for a constant list).
+template <typename T, typename Meta>
+__device__ __forceinline__ T* slot_pointer(const Meta& meta, int list, int32_t slot) {
+  const int32_t position = list_position(Meta::kListMask, list);
+  return position < 0 ? nullptr : static_cast<T*>(meta.pointers[position][slot]);
 }
 
 // The chunk's first element in list `list` (null stays null: unused lists carry no pointer).
-template <typename T, int kLists>
-__device__ __forceinline__ T* chunk_pointer(const ChunkMetadata<kLists>& meta, int list,
-                                            const ChunkLocation& chunk) {
-  T* base = static_cast<T*>(meta.pointers[list][chunk.slot]);
+template <typename T, typename Meta>
+__device__ __forceinline__ T* chunk_pointer(const Meta& meta, int list, const ChunkLocation& chunk) {
+  T* base = slot_pointer<T>(meta, list, chunk.slot);
   return base == nullptr ? nullptr : base + chunk.begin;
 }
 
@@ -110,6 +119,84 @@ struct ElementGroup {
   }
 };
 
+// kUnroll 16-byte pieces of one list per thread and iteration of kElements elements ([note:
+// strided pieces]): piece u of thread t starts at element (u * kBlockThreads + t) * kPiece of the
+// iteration, so that a warp's access is 512 consecutive bytes and the thread's kUnroll loads are
+// all issued before its first store. For element-wise ops, whose results do not depend on which
+// thread computes an element.
+template <typename T, int kUnroll>
+struct StridedPieces {
+  static constexpr int kPiece = int(16 / sizeof(T));
+  static constexpr int kValues = kUnroll * kPiece;
+  static constexpr int kElements = kBlockThreads * kValues;
+  struct alignas(16) Piece {
+    T values[kPiece];
+  };
+
+  T values[kValues];
+
+  static __device__ __forceinline__ bool aligned(const T* pointer) {
+    return reinterpret_cast<uintptr_t>(pointer) % sizeof(Piece) == 0;
+  }
+
+  // The iteration's element that values[j] holds.
+  static __device__ __forceinline__ int offset(int j) {
+    return strided_piece_offset(j, int32_t(threadIdx.x), kPiece, kBlockThreads);
+  }
+
+  // The iteration at element `base` of a chunk of `count` elements; `vector`: it is complete and
+  // the chunk aligned. Elements past `count` read as zero: computed on like the others, never stored.
+  __device__ __forceinline__ void load(const T* chunk, int base, int count, bool vector) {
+    if (vector) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const Piece piece = reinterpret_cast<const Piece*>(chunk + base + offset(u * kPiece))[0];
+#pragma unroll
+        for (int j = 0; j < kPiece; ++j) values[u * kPiece + j] = piece.values[j];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kValues; ++j) values[j] = base + offset(j) < count ? chunk[base + offset(j)] : T(0);
+    }
+  }
+
+  __device__ __forceinline__ void store(T* chunk, int base, int count, bool vector) const {
+    if (vector) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        Piece piece;
+#pragma unroll
+        for (int j = 0; j < kPiece; ++j) piece.values[j] = values[u * kPiece + j];
+        reinterpret_cast<Piece*>(chunk + base + offset(u * kPiece))[0] = piece;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kValues; ++j) {
+        if (base + offset(j) < count) chunk[base + offset(j)] = values[j];
+      }
+    }
+  }
+};
+
+// Calls body(base, vector) for each iteration of StridedPieces<T, kUnroll> over a chunk of
+// `count` elements; `vector`: the iteration is complete and the chunk aligned.
+template <typename T, int kUnroll, typename Body>
+__device__ __forceinline__ void for_each_iteration(int count, bool aligned, Body&& body) {
+  constexpr int kElements = StridedPieces<T, kUnroll>::kElements;
+  for (int base = 0; base < count; base += kElements) body(base, aligned && base + kElements <= count);
+}
+
+// Calls launch(std::integral_constant<int, unroll>) with the grad ops' current unroll depth
+// (launch_settings, [note: strided pieces]).
+template <typename Launch>
+void with_grad_unroll(Launch&& launch) {
+  switch (launch_settings().grad_unroll.load(std::memory_order_relaxed)) {
+    case 2: return launch(std::integral_constant<int, 2>{});
+    case 8: return launch(std::integral_constant<int, 8>{});
+    default: return launch(std::integral_constant<int, 4>{});
+  }
+}
+
 // Whether every pointer allows the vector accesses of ElementGroup<T, E> (null does). A bitwise
 // and, not &&: short-circuit branches made ptxas keep the flag in local memory.
 template <int E, typename... T>
@@ -127,33 +214,79 @@ __device__ __forceinline__ void for_each_group(int count, bool aligned, Body&& b
   }
 }
 
-inline int64_t total_chunks(const std::vector<int64_t>& numels) {
+inline int64_t total_chunks(const std::vector<int64_t>& numels, int64_t chunk_size) {
   int64_t chunks = 0;
-  for (const int64_t numel : numels) chunks += chunk_count(numel, kChunkSize);
+  for (const int64_t numel : numels) chunks += chunk_count(numel, chunk_size);
   return chunks;
 }
 
-// Launches kernel(metadata, args) on the current stream until every chunk of every non-empty
-// tensor had its block: pointers[l][t] is tensor t of list l, numels[t] its element count in
-// every list. Blocks of one launch never exceed the grid limit of 2^31 - 1.
-template <int kLists, typename Kernel, typename Args>
-void launch_chunks(Kernel kernel, const std::array<std::vector<void*>, kLists>& pointers,
-                   const std::vector<int64_t>& numels, const Args& args) {
-  using Metadata = ChunkMetadata<kLists>;
-  static_assert(sizeof(Metadata) <= kMaxMetadataBytes, "ChunkMetadata outgrew its budget");
-  static_assert(sizeof(Metadata) + sizeof(Args) <= kMaxKernelParamBytes,
-                "kernel parameters exceed 4 KB: shrink the op's argument struct");
+// The chunk size of the launches an op issues now (launch_settings).
+inline int64_t current_chunk_size() { return launch_settings().chunk_size.load(std::memory_order_relaxed); }
+
+// Whether the current device takes 32 KB of kernel parameters ([note: kernel parameter budget]):
+// asked once per device (the driver's version cannot change in a process).
+inline bool large_kernel_params_supported() {
+#if CUDART_VERSION >= 12010
+  constexpr int kMaxDevices = 64;
+  // 0: not asked yet, 1: no, 2: yes.
+  static std::array<std::atomic<int8_t>, kMaxDevices> answers{};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices && answers[device].load(std::memory_order_relaxed) != 0) {
+    return answers[device].load(std::memory_order_relaxed) == 2;
+  }
+  int driver = 0;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  const bool supported = driver >= 12010 && major >= 7;
+  if (device < kMaxDevices) answers[device].store(supported ? 2 : 1, std::memory_order_relaxed);
+  return supported;
+#else
+  return false;
+#endif
+}
+
+// The kernel parameter budget of the launches an op issues now: the setting, else the largest
+// the device allows; a large budget the device does not allow is refused.
+inline int64_t current_param_bytes() {
+  const int64_t setting = launch_settings().param_bytes.load(std::memory_order_relaxed);
+  if (setting == kSmallKernelParamBytes) return setting;
+  const bool large = large_kernel_params_supported();
+  TORCH_CHECK(setting == 0 || large, "fusedamp: the multi-tensor launch setting param_bytes=", setting,
+              " needs CUDA >= 12.1 (toolkit and driver) and compute capability >= 7.0");
+  return large ? kLargeKernelParamBytes : kSmallKernelParamBytes;
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+template <uint32_t kLists, int64_t kParamBytes, typename KernelFor, typename Args, size_t N>
+void launch_chunks_within(KernelFor kernel_for, const std::array<std::vector<void*>, N>& pointers,
+                          const std::vector<int64_t>& numels, int64_t chunk_size, const Args& args) {
+  using Metadata = MetadataFor<kLists, Args, kParamBytes>;
+  static_assert(sizeof(Metadata) + sizeof(Args) <= size_t(kParamBytes), "kernel parameters exceed their budget");
+  static_assert(sizeof(Metadata) <=
+                    size_t(Metadata::kMaxTensors * metadata_slot_bytes(list_count(kLists)) + kMetadataFixedBytes),
+                "ChunkMetadata outgrew metadata_slots' model of it");
+  const auto kernel = kernel_for(TypeTag<Metadata>{});
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int64_t block_offset = 0;
-  for (const LaunchBatch& launch : plan_launches(numels, kChunkSize, Metadata::kMaxTensors,
+  for (const LaunchBatch& launch : plan_launches(numels, chunk_size, Metadata::kMaxTensors,
                                                  std::numeric_limits<int32_t>::max())) {
     const SlotRanges ranges = slot_ranges(launch);
     Metadata meta{};
     meta.slots = int32_t(launch.tensors.size());
     meta.block_offset = block_offset;
+    meta.chunk_size = chunk_size;
     for (int32_t slot = 0; slot < meta.slots; ++slot) {
       const int64_t tensor = launch.tensors[slot];
-      for (int list = 0; list < kLists; ++list) meta.pointers[list][slot] = pointers[list][tensor];
+      for (int list = 0; list < int(N); ++list) {
+        const int32_t position = list_position(kLists, list);
+        if (position >= 0) meta.pointers[position][slot] = pointers[list][tensor];
+      }
       meta.numels[slot] = numels[tensor];
       meta.first_chunk[slot] = ranges.first_chunk[slot];
       meta.first_block[slot] = ranges.first_block[slot];
@@ -162,6 +295,22 @@ void launch_chunks(Kernel kernel, const std::array<std::vector<void*>, kLists>& 
     kernel<<<unsigned(blocks), kBlockThreads, 0, stream>>>(meta, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     block_offset += blocks;
+  }
+}
+
+// Launches the kernel on the current stream until every chunk of every non-empty tensor had its
+// block: pointers[l][t] is tensor t of list l, numels[t] its element count in every list; only
+// the lists kLists carry reach the kernel. kernel_for(TypeTag<Metadata>) names the kernel
+// instantiated for each budget's metadata. Blocks of one launch never exceed the grid limit of
+// 2^31 - 1.
+template <uint32_t kLists, typename KernelFor, typename Args, size_t N>
+void launch_chunks(KernelFor kernel_for, const std::array<std::vector<void*>, N>& pointers,
+                   const std::vector<int64_t>& numels, int64_t chunk_size, const Args& args) {
+  static_assert(N <= 32 && (N == 32 || (kLists >> N) == 0), "kLists names a list the op does not have");
+  if (current_param_bytes() == kLargeKernelParamBytes) {
+    launch_chunks_within<kLists, kLargeKernelParamBytes>(kernel_for, pointers, numels, chunk_size, args);
+  } else {
+    launch_chunks_within<kLists, kSmallKernelParamBytes>(kernel_for, pointers, numels, chunk_size, args);
   }
 }
 
@@ -275,7 +424,7 @@ template <typename T, typename Combine, typename Store>
 void reduce_segments(const T* partials, const std::vector<Segment>& segments, const T& identity,
                      Combine combine, Store store) {
   static_assert(sizeof(SegmentBatch) + sizeof(T*) + sizeof(T) + sizeof(Combine) + sizeof(Store) <=
-                    kMaxKernelParamBytes, "reduce_segments_kernel: parameters exceed 4 KB");
+                    size_t(kSmallKernelParamBytes), "reduce_segments_kernel: parameters exceed 4 KB");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   for (size_t begin = 0; begin < segments.size(); begin += kMaxSegments) {
     const size_t count = std::min(segments.size() - begin, size_t(kMaxSegments));
@@ -294,10 +443,10 @@ void reduce_segments(const T* partials, const std::vector<Segment>& segments, co
 // The per-tensor reduction of a launch_chunks call over `numels` whose kernel wrote one partial
 // per block: tensor t's partials are stored at outputs[t].
 template <typename T, typename Combine, typename Store>
-void reduce_per_tensor(const T* partials, const std::vector<int64_t>& numels,
+void reduce_per_tensor(const T* partials, const std::vector<int64_t>& numels, int64_t chunk_size,
                        const std::vector<int64_t>& outputs, const T& identity, Combine combine,
                        Store store) {
-  const std::vector<BlockRange> ranges = tensor_block_ranges(numels, kChunkSize);
+  const std::vector<BlockRange> ranges = tensor_block_ranges(numels, chunk_size);
   std::vector<Segment> segments;
   segments.reserve(ranges.size());
   for (size_t t = 0; t < ranges.size(); ++t) {

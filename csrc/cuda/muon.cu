@@ -15,9 +15,9 @@ constexpr MasterKind kNoMaster = MasterKind::kNone;
 template <DType U, MasterKind M>
 constexpr bool kMuonTypes = M == kNoMaster && (U == DType::kFloat32 || U == DType::kBFloat16);
 
-template <DType U, DType G>
+template <DType U, DType G, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    muon_kernel(const __grid_constant__ ChunkMetadata<kMuonLists> meta, const StepArgs<MuonCall> args) {
+    muon_kernel(const __grid_constant__ Meta meta, const StepArgs<MuonCall> args) {
   constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<MuonCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
@@ -40,9 +40,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   });
 }
 
-template <DType U, DType G, StateCodec C>
+template <DType U, DType G, StateCodec C, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    muon_coded_kernel(const __grid_constant__ ChunkMetadata<kMuonLists> meta, const StepArgs<MuonCall> args) {
+    muon_coded_kernel(const __grid_constant__ Meta meta, const StepArgs<MuonCall> args) {
   constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<MuonCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
@@ -74,8 +74,11 @@ void muon_coded_cuda(const MuonCall& call) {
   const StepArgs<MuonCall> args = step_args(call);
   with_coded_kernel(call, [&](auto u, auto g, auto m, auto c, auto stochastic) {
     if constexpr (kMuonTypes<decltype(u)::value, decltype(m)::value> && !decltype(stochastic)::value) {
-      launch_chunks<kMuonLists>(muon_coded_kernel<decltype(u)::value, decltype(g)::value, decltype(c)::value>,
-                                call.lists.pointers, call.lists.numels, args);
+      constexpr DType U = decltype(u)::value, G = decltype(g)::value;
+      constexpr StateCodec C = decltype(c)::value;
+      constexpr uint32_t kLists = MuonCall::kernel_lists(false, C, true);
+      launch_chunks<kLists>([](auto meta) { return muon_coded_kernel<U, G, C, typename decltype(meta)::type>; },
+                            call.lists.pointers, call.lists.numels, current_chunk_size(), args);
     }
   });
 }
@@ -84,8 +87,10 @@ void muon_momentum_cuda(const MuonCall& call) {
   const StepArgs<MuonCall> args = step_args(call);
   run_optimizer_step(call, muon_coded_cuda, [&](auto u, auto g, auto m) {
     if constexpr (kMuonTypes<decltype(u)::value, decltype(m)::value>) {
-      launch_chunks<kMuonLists>(muon_kernel<decltype(u)::value, decltype(g)::value>, call.lists.pointers,
-                                call.lists.numels, args);
+      constexpr DType U = decltype(u)::value, G = decltype(g)::value;
+      constexpr uint32_t kLists = MuonCall::kernel_lists(false, StateCodec::kFloat32, false);
+      launch_chunks<kLists>([](auto meta) { return muon_kernel<U, G, typename decltype(meta)::type>; },
+                            call.lists.pointers, call.lists.numels, current_chunk_size(), args);
     }
   });
 }

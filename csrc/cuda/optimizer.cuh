@@ -42,19 +42,6 @@ void check_host_lr_not_captured(const StepInputs& inputs);
 // after the update kernels, which therefore read the count before the step (stream order).
 void increment_steps(const std::vector<void*>& steps, const float* found_inf);
 
-// What every optimizer kernel takes besides its chunk metadata.
-template <typename Call>
-struct StepArgs {
-  StepInputs inputs;
-  decltype(Call::hyper) hyper;
-  StochasticRounding rounding;  // read by the coded kernels only
-};
-
-template <typename Call>
-StepArgs<Call> step_args(const Call& call) {
-  return {call.inputs, call.hyper, call.rounding};
-}
-
 // The host side of an optimizer's CUDA step: on the call's device, a host lr refused under graph
 // capture, then the update: coded(call) in the coded modes (runs_coded), else plain(p, g, m), which
 // launches the plain kernel of the tags' types (param, grad, master kind); then the step counts
@@ -94,7 +81,7 @@ struct StepChunk {
   float step;
   Coefficients coefficients;
   float multiplier;         // grad_multiplier: inv_grad_scale * clip_coef
-  const void* rounding_id;  // the param's ([note: rounding ids])
+  const void* rounding_id;  // the param's ([note: rounding ids]); null in the plain modes
 
   // The chunk's rounding keys ([note: unbiased state rounding]).
   __device__ __forceinline__ ChunkKeys keys(uint64_t seed) const {
@@ -104,20 +91,20 @@ struct StepChunk {
 
 // The StepChunk of this block. Every thread of the block calls it (a barrier shares the
 // coefficients).
-template <typename Call, int kLists>
-__device__ __forceinline__ auto begin_step_chunk(const ChunkMetadata<kLists>& meta, const StepArgs<Call>& args) {
+template <typename Call, typename Meta>
+__device__ __forceinline__ auto begin_step_chunk(const Meta& meta, const StepArgs<Call>& args) {
   using Coefficients = decltype(step_coefficients(args.hyper, 0.0, 0.0f));
   StepChunk<Coefficients> s{};
   s.skipped = step_skipped(args.inputs);
   if (s.skipped) return s;
   s.chunk = this_chunk(meta);
-  s.step = *static_cast<const float*>(meta.pointers[Call::kStepList][s.chunk.slot]);
+  s.step = *slot_pointer<const float>(meta, Call::kStepList, s.chunk.slot);
   __shared__ Coefficients shared_coefficients;
   if (threadIdx.x == 0) shared_coefficients = step_coefficients(args.hyper, step_lr(args.inputs), s.step);
   __syncthreads();
   s.coefficients = shared_coefficients;
   s.multiplier = grad_multiplier(args.inputs);
-  s.rounding_id = meta.pointers[Call::kRoundingIdList][s.chunk.slot];
+  s.rounding_id = slot_pointer<const void>(meta, Call::kRoundingIdList, s.chunk.slot);
   return s;
 }
 
@@ -129,8 +116,8 @@ struct ParamChunk {
   master_storage_t<M>* master;
 };
 
-template <typename Call, DType P, DType G, MasterKind M, int kLists>
-__device__ __forceinline__ ParamChunk<P, G, M> param_chunk(const ChunkMetadata<kLists>& meta,
+template <typename Call, DType P, DType G, MasterKind M, typename Meta>
+__device__ __forceinline__ ParamChunk<P, G, M> param_chunk(const Meta& meta,
                                                            const ChunkLocation& chunk) {
   return {chunk_pointer<storage_t<P>>(meta, Call::kParamList, chunk),
           chunk_pointer<storage_t<G>>(meta, Call::kGradList, chunk),

@@ -7,9 +7,9 @@
 namespace fusedamp::cuda {
 namespace {
 
-template <DType P, DType G, MasterKind M>
+template <DType P, DType G, MasterKind M, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    sgd_kernel(const __grid_constant__ ChunkMetadata<kSgdLists> meta, const StepArgs<SgdCall> args) {
+    sgd_kernel(const __grid_constant__ Meta meta, const StepArgs<SgdCall> args) {
   constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<SgdCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
@@ -41,8 +41,11 @@ __global__ void __launch_bounds__(kBlockThreads)
 void sgd_cuda(const SgdCall& call) {
   const StepArgs<SgdCall> args = step_args(call);
   run_optimizer_step(call, sgd_coded_cuda, [&](auto p, auto g, auto m) {
-    launch_chunks<kSgdLists>(sgd_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value>,
-                             call.lists.pointers, call.lists.numels, args);
+    constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+    constexpr MasterKind M = decltype(m)::value;
+    constexpr uint32_t kLists = SgdCall::kernel_lists(M != MasterKind::kNone, StateCodec::kFloat32, false);
+    launch_chunks<kLists>([](auto meta) { return sgd_kernel<P, G, M, typename decltype(meta)::type>; },
+                          call.lists.pointers, call.lists.numels, current_chunk_size(), args);
   });
 }
 

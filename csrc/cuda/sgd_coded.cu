@@ -9,9 +9,9 @@ namespace fusedamp::cuda {
 namespace {
 
 // kStochastic: as adamw_coded_kernel.
-template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic>
+template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
-    sgd_coded_kernel(const __grid_constant__ ChunkMetadata<kSgdLists> meta, const StepArgs<SgdCall> args) {
+    sgd_coded_kernel(const __grid_constant__ Meta meta, const StepArgs<SgdCall> args) {
   constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<SgdCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
@@ -52,9 +52,14 @@ __global__ void __launch_bounds__(kBlockThreads)
 void sgd_coded_cuda(const SgdCall& call) {
   const StepArgs<SgdCall> args = step_args(call);
   with_coded_kernel(call, [&](auto p, auto g, auto m, auto c, auto stochastic) {
-    const auto kernel = sgd_coded_kernel<decltype(p)::value, decltype(g)::value, decltype(m)::value,
-                                         decltype(c)::value, decltype(stochastic)::value>;
-    launch_chunks<kSgdLists>(kernel, call.lists.pointers, call.lists.numels, args);
+    constexpr DType P = decltype(p)::value, G = decltype(g)::value;
+    constexpr MasterKind M = decltype(m)::value;
+    constexpr StateCodec C = decltype(c)::value;
+    constexpr bool kStochastic = decltype(stochastic)::value;
+    constexpr uint32_t kLists = SgdCall::kernel_lists(M != MasterKind::kNone, C, true);
+    launch_chunks<kLists>(
+        [](auto meta) { return sgd_coded_kernel<P, G, M, C, kStochastic, typename decltype(meta)::type>; },
+        call.lists.pointers, call.lists.numels, current_chunk_size(), args);
   });
 }
 

@@ -27,6 +27,17 @@ struct AdamWCall {
   static constexpr int kParamList = kAdamWParam, kGradList = kAdamWGrad, kMasterList = kAdamWMaster;
   static constexpr int kStepList = kAdamWStep, kRoundingIdList = kAdamWRoundingId;
   static constexpr bool kCountsSteps = true;
+  // The lists a CUDA kernel reads ([note: kernel parameter budget]): with a master or without, its
+  // moments in `codec`, in a coded mode (whose roundings are keyed by the rounding ids) or not.
+  // max_exp_avg_sqs with amsgrad only, a run-time flag: always carried, so the kernels do not double.
+  static constexpr uint32_t kernel_lists(bool master, StateCodec codec, bool coded) {
+    return list_bit(kAdamWParam) | list_bit(kAdamWGrad) | list_bit(kAdamWExpAvg) | list_bit(kAdamWExpAvgSq) |
+           list_bit(kAdamWMaxExpAvgSq) | list_bit(kAdamWStep) | (master ? list_bit(kAdamWMaster) : 0u) |
+           (codec == StateCodec::kInt8
+                ? list_bit(kAdamWExpAvgScale) | list_bit(kAdamWExpAvgSqScale) | list_bit(kAdamWMaxExpAvgSqScale)
+                : 0u) |
+           (coded ? list_bit(kAdamWRoundingId) : 0u);
+  }
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const AdamWCall&, const AdamWCoefficients&, int64_t tensor,
                             int64_t begin, int64_t end);

@@ -29,6 +29,13 @@ struct MuonCall {
   static constexpr int kParamList = kMuonUpdate, kGradList = kMuonGrad, kMasterList = kMuonMaster;
   static constexpr int kStepList = kMuonStep, kRoundingIdList = kMuonRoundingId;
   static constexpr bool kCountsSteps = false;
+  // The lists a CUDA kernel reads ([note: kernel parameter budget]), as AdamWCall::kernel_lists
+  // (never a master).
+  static constexpr uint32_t kernel_lists(bool master, StateCodec codec, bool coded) {
+    return list_bit(kMuonUpdate) | list_bit(kMuonGrad) | list_bit(kMuonMomentumBuffer) | list_bit(kMuonStep) |
+           (master ? list_bit(kMuonMaster) : 0u) | (codec == StateCodec::kInt8 ? list_bit(kMuonMomentumBufferScale) : 0u) |
+           (coded ? list_bit(kMuonRoundingId) : 0u);
+  }
   using CpuChunk = void (*)(const MuonCall&, const MuonCoefficients&, int64_t tensor, int64_t begin,
                             int64_t end);
   c10::Device device;

@@ -11,6 +11,8 @@
 
 #include "fusedamp/math/codec.h"
 #include "fusedamp/math/stochastic.h"
+#include "fusedamp/multi_tensor_plan.h"
+#include "fusedamp/step_inputs.h"
 
 FUSEDAMP_NAMESPACE_BEGIN
 
@@ -20,6 +22,20 @@ FUSEDAMP_NAMESPACE_BEGIN
 template <typename Call>
 inline bool runs_coded(const Call& call) {
   return call.state_codec != StateCodec::kFloat32 || call.rounding.enabled;
+}
+
+// What every CUDA optimizer kernel takes besides its chunk metadata (here, not in the CUDA code:
+// its size decides how many tensors one launch holds, [note: kernel parameter budget]).
+template <typename Call>
+struct StepArgs {
+  StepInputs inputs;
+  decltype(Call::hyper) hyper;
+  StochasticRounding rounding;  // read by the coded kernels only
+};
+
+template <typename Call>
+StepArgs<Call> step_args(const Call& call) {
+  return {call.inputs, call.hyper, call.rounding};
 }
 
 FUSEDAMP_NAMESPACE_END

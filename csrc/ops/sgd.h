@@ -26,6 +26,12 @@ struct SgdCall {
   static constexpr int kParamList = kSgdParam, kGradList = kSgdGrad, kMasterList = kSgdMaster;
   static constexpr int kStepList = kSgdStep, kRoundingIdList = kSgdRoundingId;
   static constexpr bool kCountsSteps = true;
+  // The lists a CUDA kernel reads ([note: kernel parameter budget]), as AdamWCall::kernel_lists.
+  static constexpr uint32_t kernel_lists(bool master, StateCodec codec, bool coded) {
+    return list_bit(kSgdParam) | list_bit(kSgdGrad) | list_bit(kSgdMomentumBuffer) | list_bit(kSgdStep) |
+           (master ? list_bit(kSgdMaster) : 0u) | (codec == StateCodec::kInt8 ? list_bit(kSgdMomentumBufferScale) : 0u) |
+           (coded ? list_bit(kSgdRoundingId) : 0u);
+  }
   // Steps elements [begin, end) of tensor `tensor` with its coefficients (made by the driver).
   using CpuChunk = void (*)(const SgdCall&, const SgdCoefficients&, int64_t tensor, int64_t begin,
                             int64_t end);

@@ -7,12 +7,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "common/memo.h"
 #include "cpu/isa.h"
 #include "fusedamp/dispatch.h"
 #include "fusedamp/gemm/tiles.h"
 #include "fusedamp/multi_tensor_plan.h"
+#include "ops/adamw.h"
 #include "ops/gemm.h"
+#include "ops/muon.h"
+#include "ops/sgd.h"
 #include "python/prepared.h"
 
 namespace py = pybind11;
@@ -34,6 +39,71 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> plan_launches_for_te
     }
   }
   return blocks;
+}
+
+// The blocks of each launch the CUDA launcher plans for `numels` when its kernel carries `lists`
+// lists and `args_bytes` bytes of arguments within `param_bytes` ([note: kernel parameter budget]).
+std::vector<int64_t> launch_blocks(const std::vector<int64_t>& numels, int64_t chunk_size, int32_t lists,
+                                   int64_t param_bytes, int64_t args_bytes) {
+  TORCH_CHECK_VALUE(fusedamp::valid_chunk_size(chunk_size), "launch_blocks: chunk_size ", chunk_size,
+                    " is not a power of two in [", fusedamp::kMinChunkSize, ", ", fusedamp::kMaxChunkSize, "]");
+  TORCH_CHECK_VALUE(param_bytes == fusedamp::kSmallKernelParamBytes || param_bytes == fusedamp::kLargeKernelParamBytes,
+                    "launch_blocks: param_bytes must be 4096 or 32764, got ", param_bytes);
+  const int32_t slots = fusedamp::metadata_slots(lists, param_bytes, args_bytes);
+  TORCH_CHECK_VALUE(slots > 0, "launch_blocks: no tensor fits ", param_bytes, " bytes with ", lists, " lists");
+  std::vector<int64_t> blocks;
+  for (const auto& launch : fusedamp::plan_launches(numels, chunk_size, slots, INT32_MAX)) {
+    blocks.push_back(int64_t(launch.block_slot.size()));
+  }
+  return blocks;
+}
+
+// (lists, argument bytes) of the CUDA kernel of optimizer `op` (adamw, sgd, muon) in a mode: with a
+// master or not, its states' codec (float32, bfloat16, int8), coded (stochastic rounding) or not.
+template <typename Call>
+std::pair<int32_t, int64_t> optimizer_kernel_footprint(bool master, fusedamp::StateCodec codec, bool coded) {
+  return {fusedamp::list_count(Call::kernel_lists(master, codec, coded)),
+          int64_t(sizeof(fusedamp::StepArgs<Call>))};
+}
+
+std::pair<int32_t, int64_t> optimizer_kernel_footprint_for_test(const std::string& op, bool master,
+                                                                const std::string& codec, bool coded) {
+  const fusedamp::StateCodec c = codec == "float32"    ? fusedamp::StateCodec::kFloat32
+                                 : codec == "bfloat16" ? fusedamp::StateCodec::kBFloat16
+                                                       : fusedamp::StateCodec::kInt8;
+  TORCH_CHECK_VALUE(codec == "float32" || codec == "bfloat16" || codec == "int8",
+                    "optimizer_kernel_footprint: codec must be float32, bfloat16 or int8, got ", codec);
+  TORCH_CHECK_VALUE(coded || c == fusedamp::StateCodec::kFloat32,
+                    "optimizer_kernel_footprint: a ", codec, " codec runs the coded kernels (coded=True)");
+  if (op == "adamw") return optimizer_kernel_footprint<fusedamp::AdamWCall>(master, c, coded);
+  if (op == "sgd") return optimizer_kernel_footprint<fusedamp::SgdCall>(master, c, coded);
+  TORCH_CHECK_VALUE(op == "muon", "optimizer_kernel_footprint: op must be adamw, sgd or muon, got ", op);
+  return optimizer_kernel_footprint<fusedamp::MuonCall>(master, c, coded);
+}
+
+// The CUDA launcher's settings as a dict.
+py::dict cuda_launch_settings() {
+  const fusedamp::LaunchSettings& s = fusedamp::launch_settings();
+  return py::dict(py::arg("chunk_size") = s.chunk_size.load(), py::arg("param_bytes") = s.param_bytes.load(),
+                  py::arg("grad_unroll") = s.grad_unroll.load());
+}
+
+py::dict set_cuda_launch_settings(std::optional<int64_t> chunk_size, std::optional<int64_t> param_bytes,
+                                  std::optional<int64_t> grad_unroll) {
+  TORCH_CHECK_VALUE(!chunk_size || fusedamp::valid_chunk_size(*chunk_size), "set_cuda_launch_settings: chunk_size ",
+                    *chunk_size, " is not a power of two in [", fusedamp::kMinChunkSize, ", ",
+                    fusedamp::kMaxChunkSize, "]");
+  TORCH_CHECK_VALUE(!param_bytes || fusedamp::valid_param_bytes(*param_bytes),
+                    "set_cuda_launch_settings: param_bytes must be 0 (the largest allowed), 4096 or 32764, got ",
+                    param_bytes.value_or(0));
+  TORCH_CHECK_VALUE(!grad_unroll || fusedamp::valid_grad_unroll(*grad_unroll),
+                    "set_cuda_launch_settings: grad_unroll must be 2, 4 or 8, got ", grad_unroll.value_or(0));
+  py::dict previous = cuda_launch_settings();
+  fusedamp::LaunchSettings& s = fusedamp::launch_settings();
+  if (chunk_size) s.chunk_size.store(*chunk_size);
+  if (param_bytes) s.param_bytes.store(*param_bytes);
+  if (grad_unroll) s.grad_unroll.store(*grad_unroll);
+  return previous;
 }
 
 using Pair = std::pair<int32_t, int32_t>;
@@ -233,6 +303,14 @@ PYBIND11_MODULE(_C, m) {
         "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
+  m.def("cuda_launch_settings", &cuda_launch_settings,
+        "The CUDA multi-tensor launcher's settings: chunk_size (elements per block), param_bytes "
+        "(kernel parameter budget; 0: the largest the device allows) and grad_unroll (16-byte "
+        "pieces in flight per thread in unscale_ and check_and_norm_).");
+  m.def("set_cuda_launch_settings", &set_cuda_launch_settings, py::arg("chunk_size") = py::none(),
+        py::arg("param_bytes") = py::none(), py::arg("grad_unroll") = py::none(),
+        "Set the CUDA launcher's chunk_size (a power of two, 4096 to 2^24), param_bytes (0, 4096 or "
+        "32764) and/or grad_unroll (2, 4 or 8) for the ops issued next; returns the previous settings.");
   fusedamp::def_prepared(m);
   m.def("last_level_cache_bytes", &fusedamp::cpu::last_level_cache_bytes,
         "The last-level cache the CPU optimizers size their param stores by, in bytes.");
@@ -257,5 +335,24 @@ PYBIND11_MODULE(_C, m) {
   testing.def("memo_trace", &memo_trace_for_test, py::arg("keys"), py::arg("capacity"),
               py::arg("throw_on"),
               "(made, value) per key of a Memo, as the GEMM launchers keep tensor maps in one.");
+  testing.def("launch_blocks", &launch_blocks, py::arg("numels"), py::arg("chunk_size"), py::arg("lists"),
+              py::arg("param_bytes"), py::arg("args_bytes"),
+              "Blocks of each CUDA launch for a kernel of `lists` lists and `args_bytes` of arguments.");
+  testing.def("strided_pieces", [](int32_t element_bytes, int32_t unroll, int32_t threads) {
+    TORCH_CHECK_VALUE((element_bytes == 2 || element_bytes == 4) && unroll > 0 && threads > 0,
+                      "strided_pieces: element_bytes must be 2 or 4, unroll and threads positive");
+    const int32_t piece = 16 / element_bytes;
+    std::vector<std::vector<int32_t>> offsets(threads);
+    for (int32_t t = 0; t < threads; ++t) {
+      for (int32_t j = 0; j < unroll * piece; ++j) {
+        offsets[t].push_back(fusedamp::strided_piece_offset(j, t, piece, threads));
+      }
+    }
+    return offsets;
+  }, py::arg("element_bytes"), py::arg("unroll"), py::arg("threads"),
+     "The iteration's element each value of each thread holds in unscale_ and the check.");
+  testing.def("optimizer_kernel_footprint", &optimizer_kernel_footprint_for_test, py::arg("op"),
+              py::arg("master"), py::arg("codec"), py::arg("coded"),
+              "(lists carried, argument bytes) of an optimizer's CUDA kernel in a mode.");
   def_gemm_tile_hooks(testing);
 }

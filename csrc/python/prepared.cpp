@@ -346,7 +346,23 @@ bool IdentityWatch::unchanged() const {
   return true;
 }
 
+// Whether every grad goes to the fused grad kernels as it is: strided, dense as check_dense_on
+// accepts it, and float32, float16 or bfloat16. One loop in C++ instead of one in Python on the
+// step's path (fusedamp/ops.py).
+bool grads_fit_kernels(const std::vector<at::Tensor>& grads) {
+  for (const at::Tensor& grad : grads) {
+    const at::ScalarType type = grad.scalar_type();
+    if (grad.layout() != at::kStrided || !(type == at::kFloat || type == at::kHalf || type == at::kBFloat16) ||
+        !(grad.is_contiguous() || grad.is_non_overlapping_and_dense())) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void def_prepared(py::module_& m) {
+  m.def("grads_fit_kernels", &grads_fit_kernels, py::arg("grads"),
+        "Whether every grad is a dense float32, float16 or bfloat16 tensor the fused grad ops take as it is.");
   py::class_<PreparedCall>(m, "PreparedCall",
                            "A fusedamp op with its leading tensor lists converted once.")
       .def(py::init<const std::string&, std::vector<std::vector<at::Tensor>>,

@@ -1,10 +1,12 @@
 // Host-side partitioning of a tensor list into fixed-size chunks and of the chunks into kernel
-// launches whose metadata fits a fixed-size parameter struct. Used by the CUDA launcher (one
-// block per chunk) and by the CPU backend (one parallel task per chunk), and unit-tested on CPU.
+// launches whose metadata fits a fixed-size parameter struct, and the CUDA launcher's settings
+// (chunk size, kernel parameter budget). Used by the CUDA launcher (one block per chunk) and by
+// the CPU backend (one parallel task per chunk), and unit-tested on CPU.
 #pragma once
 
 #include <stdint.h>
 
+#include <atomic>
 #include <vector>
 
 #include "fusedamp/macros.h"
@@ -62,6 +64,79 @@ inline std::vector<LaunchBatch> plan_launches(const std::vector<int64_t>& numels
   }
   if (!current.block_slot.empty()) launches.push_back(std::move(current));
   return launches;
+}
+
+// [note: kernel parameter budget] A CUDA launch takes its tensors' metadata as kernel parameters,
+// never through device memory (no copy, nothing to keep alive, CUDA graphs capture it). Their
+// budget is 4 KB everywhere, and 32764 bytes with CUDA >= 12.1 (toolkit and driver) on compute
+// capability >= 7.0: both budgets are compiled, the launcher picks one per call on the host. A
+// launch carries only the lists its kernel reads (a bit mask of list indices), so that one
+// launch holds a whole optimizer step of a few hundred tensors.
+constexpr int64_t kSmallKernelParamBytes = 4096;
+constexpr int64_t kLargeKernelParamBytes = 32764;
+
+constexpr uint32_t list_bit(int32_t list) { return 1u << list; }
+
+constexpr int32_t list_count(uint32_t lists) {
+  return lists == 0 ? 0 : int32_t(lists & 1u) + list_count(lists >> 1);
+}
+
+// The position of list `list` among the carried lists `lists` (-1: not carried).
+constexpr int32_t list_position(uint32_t lists, int32_t list) {
+  return (lists >> list) & 1u ? list_count(lists & ((1u << list) - 1u)) : -1;
+}
+
+// The launch metadata's bytes (cuda/multi_tensor_apply.cuh, ChunkMetadata): per slot a pointer
+// per carried list, the numel and first chunk (8 bytes each) and the first block (4); besides,
+// the block offset and chunk size (8 each), the slot count (4) and padding (4).
+constexpr int64_t kMetadataFixedBytes = 24;
+constexpr int64_t metadata_slot_bytes(int32_t lists) { return 8 * int64_t(lists) + 20; }
+
+// Slots (tensors) of one launch whose kernel carries `lists` lists and `args_bytes` bytes of
+// arguments of its own within `param_bytes` of kernel parameters.
+constexpr int32_t metadata_slots(int32_t lists, int64_t param_bytes, int64_t args_bytes) {
+  return int32_t((param_bytes - args_bytes - kMetadataFixedBytes) / metadata_slot_bytes(lists));
+}
+
+// The CUDA launcher's settings, read when a multi-tensor op is issued: elements per chunk (one
+// block each), the kernel parameter budget (0: the largest the device and driver allow, else
+// kSmallKernelParamBytes or kLargeKernelParamBytes where allowed) and the grad ops' unroll depth. Run-time settings, so that a
+// tuning sweep times every variant in one process; the norm of check_and_norm_ sums per-chunk
+// partials, so its bits are those of one chunk size.
+constexpr int64_t kDefaultChunkSize = int64_t(1) << 16;
+constexpr int64_t kMinChunkSize = int64_t(1) << 12;  // whole iterations of the coded kernels
+constexpr int64_t kMaxChunkSize = int64_t(1) << 24;
+
+// The grad ops' 16-byte pieces per thread and iteration ([note: strided pieces]): all loaded
+// before the first store, so a thread has that many in flight. Each depth is its own kernel.
+constexpr int64_t kDefaultGradUnroll = 4;
+
+struct LaunchSettings {
+  std::atomic<int64_t> chunk_size{kDefaultChunkSize};
+  std::atomic<int64_t> param_bytes{0};
+  std::atomic<int64_t> grad_unroll{kDefaultGradUnroll};
+};
+
+inline LaunchSettings& launch_settings() {
+  static LaunchSettings settings;
+  return settings;
+}
+
+inline bool valid_chunk_size(int64_t chunk_size) {
+  return chunk_size >= kMinChunkSize && chunk_size <= kMaxChunkSize && (chunk_size & (chunk_size - 1)) == 0;
+}
+
+inline bool valid_grad_unroll(int64_t unroll) { return unroll == 2 || unroll == 4 || unroll == 8; }
+
+inline bool valid_param_bytes(int64_t param_bytes) {
+  return param_bytes == 0 || param_bytes == kSmallKernelParamBytes || param_bytes == kLargeKernelParamBytes;
+}
+
+// [note: strided pieces] The element of an iteration that value j of thread `thread` holds when
+// each thread takes pieces of `piece` consecutive elements, `threads` pieces apart: piece u of
+// every thread of a block lies in one run of threads * piece elements.
+FUSEDAMP_HOST_DEVICE int32_t strided_piece_offset(int32_t j, int32_t thread, int32_t piece, int32_t threads) {
+  return ((j / piece) * threads + thread) * piece + j % piece;
 }
 
 // [note: per-tensor reduction] The blocks of one multi-tensor call, numbered across its launches
