@@ -12,12 +12,14 @@ Environment:
 - FUSEDAMP_CPU_ISAS=native|all: the CPU kernels for the host's best ISA alone (native, the
   default; the baseline kernels too only on a CPU without AVX2), or for avx512, avx2 and baseline
   (all: portable builds, wheels, CI, and the tests that compare the ISAs' results).
-- FUSEDAMP_PTXAS_VERBOSE=1 prints ptxas register/spill reports; MAX_JOBS bounds the parallel
-  compile jobs.
+- FUSEDAMP_PTXAS_VERBOSE=1 prints ptxas register/spill reports; FUSEDAMP_VERBOSE_BUILD=1 every
+  compile command (otherwise the build prints its choices and what the compilers say); MAX_JOBS
+  bounds the parallel compile jobs.
 """
 
 import glob
 import importlib.util
+import logging
 import os
 import platform
 import re
@@ -177,7 +179,35 @@ if with_cuda:
         )
     os.environ["TORCH_CUDA_ARCH_LIST"] = archs
 
+# Without a GPU cpp_extension logs "No CUDA runtime is found" when imported; the line above said
+# what the build chose, and why.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+from torch.utils import cpp_extension  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+# torch's BuildExtension runs ninja verbosely, straight to the console: a compile command per
+# file. Unless asked for them (or for ptxas's reports, which come in the same output), the build
+# keeps ninja's progress lines to itself and prints what the compilers said: warnings, errors.
+VERBOSE_BUILD = "1" in (os.environ.get("FUSEDAMP_VERBOSE_BUILD"), os.environ.get("FUSEDAMP_PTXAS_VERBOSE"))
+run_ninja_verbosely = cpp_extension._run_ninja_build
+NINJA_PROGRESS = re.compile(r"\[\d+/\d+\] |ninja: no work to do\.$")
+
+
+def run_ninja(build_directory: str, verbose: bool, error_prefix: str) -> None:
+    if VERBOSE_BUILD:
+        run_ninja_verbosely(build_directory, verbose, error_prefix)
+        return
+    jobs = ["-j", os.environ["MAX_JOBS"]] if os.environ.get("MAX_JOBS") else []
+    done = subprocess.run(["ninja", *jobs], cwd=build_directory, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    said = [line for line in done.stdout.splitlines() if not NINJA_PROGRESS.match(line)]
+    if said:
+        print("\n".join(said), flush=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{error_prefix} (FUSEDAMP_VERBOSE_BUILD=1 prints every compile command)")
+
+
+cpp_extension._run_ninja_build = run_ninja
 
 cuda_archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if with_cuda else ""
 with open(os.path.join(ROOT, "fusedamp", "_build_meta.py"), "w") as meta:
