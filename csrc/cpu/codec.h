@@ -44,9 +44,10 @@ inline namespace FUSEDAMP_ISA {
 #endif
 
 // Where the stochastic roundings of a run of values take their draws (value i's, element or a
-// vector from it): the keyed hash of each element (rounding_bits), plus the step's rotation when
-// the stream's draws are dithered ([note: dithered draws]); or a tile of draws made once by
-// fill_draws for the states that share them ([note: shared state draws]).
+// vector from it): the keyed hash of each element (rounding_bits), or when the stream's draws are
+// dithered ([note: dithered draws]) each element's phase (dither_phase) plus the step's rotation;
+// or a tile of draws made once by fill_draws for the states that share them ([note: shared state
+// draws]).
 template <bool kDithered = false>
 struct KeyedDraws {
   uint32_t key;
@@ -54,14 +55,26 @@ struct KeyedDraws {
   uint32_t rotation = 0;  // kDithered only
 
   [[gnu::always_inline]] uint32_t element(int64_t i) const {
-    const uint32_t bits = rounding_bits(key, first_element + i);
-    return kDithered ? bits + rotation : bits;
+    if constexpr (kDithered) return dither_phase(key, first_element + i) + rotation;
+    return rounding_bits(key, first_element + i);
   }
 #if FUSEDAMP_F16C_LANES
   [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
-    const CodeLanes elements = add_lanes(lanes_of(uint32_t(first_element + i)), lane_indices());
-    const CodeLanes bits = rounding_bit_lanes(key, elements);
-    return kDithered ? add_lanes(bits, lanes_of(rotation)) : bits;
+    const int64_t first = first_element + i;
+    if constexpr (kDithered) {
+      // A vector that starts at a multiple of its width lies in one group ([note: dither
+      // phases]): one hash for all its lanes.
+      const CodeLanes lane_steps = mul_lanes(lane_indices(), kDitherLaneStep);
+      if (first % kCodeLanes == 0) {
+        return add_lanes(lanes_of(dither_phase(key, first) + rotation), lane_steps);
+      }
+      static_assert(kDitherGroup == 16 && kDitherGroup % kCodeLanes == 0, "a vector spans at most two groups");
+      const CodeLanes places = add_lanes(lanes_of(uint32_t(first % kDitherGroup)), lane_indices());
+      const CodeLanes groups = add_lanes(lanes_of(uint32_t(first / kDitherGroup)), shift_right(places, 4));
+      const CodeLanes offsets = mul_lanes(and_lanes(places, lanes_of(uint32_t(kDitherGroup - 1))), kDitherLaneStep);
+      return add_lanes(add_lanes(rounding_bit_lanes(key, groups), offsets), lanes_of(rotation));
+    }
+    return rounding_bit_lanes(key, add_lanes(lanes_of(uint32_t(first)), lane_indices()));
   }
 #endif
 };

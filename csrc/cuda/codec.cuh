@@ -108,10 +108,14 @@ struct StateGroup {
 
   // Every thread of the block calls it (an 8-bit block's scale and form are block-wide
   // reductions). bf16 and 8-bit states are rounded stochastically ([note: unbiased state
-  // rounding]) with the bits of elements [element, element + E) under `key`, plus `rotation` (0
-  // unless the draws are dithered, [note: dithered draws]).
+  // rounding]) with the dithered draws of elements [element, element + E) under `key` and this
+  // step's `rotation` ([note: dithered draws]): a multiple of E, so one group's ([note: dither
+  // phases]).
   __device__ __forceinline__ void store(codec_storage_t<C>* chunk, uint16_t* scales, int first, int count,
-                                        bool vector, uint32_t key, int64_t element, uint32_t rotation = 0u) {
+                                        bool vector, uint32_t key, int64_t element, uint32_t rotation) {
+    static_assert(kDitherGroup % E == 0, "a thread's elements lie in one dither group");
+    const uint32_t group_bits = dither_group_bits(key, element) + rotation;
+    const uint32_t first_place = uint32_t(element % kDitherGroup);
     if constexpr (C == StateCodec::kInt8) {
       uint32_t max_bits = 0, exponent_sum = 0;
 #pragma unroll
@@ -130,7 +134,7 @@ struct StateGroup {
       const BlockEncoding encoding = block_encoding(scale);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const uint32_t unit = stochastic_code_unit<S>(rounding_bits(key, element + j) + rotation);
+        const uint32_t unit = stochastic_code_unit<S>(group_bits + (first_place + j) * kDitherLaneStep);
         stored.values[j] = encode_code<kSigned>(values[j], encoding, unit);
       }
       if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = scale;
@@ -141,7 +145,7 @@ struct StateGroup {
           stored.values[j] = values[j];
         } else {
           stored.values[j] =
-              float_to_bf16_state(values[j], bf16_state_random<S>(rounding_bits(key, element + j) + rotation));
+              float_to_bf16_state(values[j], bf16_state_random<S>(group_bits + (first_place + j) * kDitherLaneStep));
         }
       }
     }

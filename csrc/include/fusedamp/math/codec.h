@@ -146,8 +146,8 @@ FUSEDAMP_HOST_DEVICE CodeForm code_form(bool wide) {
 // threshold the code's position must pass to round up (1.5: to nearest, ties up).
 constexpr uint32_t kNearestCodeUnit = 0x3fc00000u;
 
-// [note: shared state draws] The keyed hash is the costliest part of a coded state's store, so
-// two states of one step (AdamW's moments) share one 32-bit draw per element: the second moment
+// [note: shared state draws] A draw per element costs a coded state's store (the keyed hash,
+// [note: dither phases] in math/stochastic.h), so two states of one step (AdamW's moments) share one 32-bit draw per element: the second moment
 // takes its high 20 bits, the first moment its low 12. Each state still rounds without bias to
 // within a fraction of a step that its changes per step exceed: a second moment's change is
 // (1 - beta2) of its distance to g^2, down to 1e-4 (beta2 = 0.9999), and its threshold has 20

@@ -114,6 +114,27 @@ FUSEDAMP_HOST_DEVICE uint32_t rounding_bits(uint32_t key, int64_t element) {
   return x;
 }
 
+// [note: dither phases] A phase only has to tell elements apart, so the keyed hash is taken once
+// per group of kDitherGroup elements (aligned), and each element of a group adds its place in the
+// group times kDitherLaneStep: a vector of codes takes one scalar hash and one vector add where a
+// hash per element took two vector multiplies and six shifts and xors, in the busiest loop of the
+// coded steps. The elements of a group spread their phases evenly, and kDitherLaneStep was chosen
+// so that a lane's offset is far from every rotation of the next 32 steps in both halves of a draw
+// (the low 12 bits and the high 20 that two states sharing it take): no element's draws repeat a
+// neighbour's a few steps later. Groups at any distance, powers of two included, hash apart.
+constexpr int64_t kDitherGroup = 16;
+constexpr uint32_t kDitherLaneStep = 0x179030dbu;
+
+// The hash every element of element's group of kDitherGroup starts from.
+FUSEDAMP_HOST_DEVICE uint32_t dither_group_bits(uint32_t key, int64_t element) {
+  return rounding_bits(key, int64_t(uint64_t(element) / uint64_t(kDitherGroup)));
+}
+
+// The phase of `element` in a dithered stream under `key` (the stream's dither key).
+FUSEDAMP_HOST_DEVICE uint32_t dither_phase(uint32_t key, int64_t element) {
+  return dither_group_bits(key, element) + uint32_t(uint64_t(element) % uint64_t(kDitherGroup)) * kDitherLaneStep;
+}
+
 // value rounded to a bf16 neighbour, up with probability (distance to the lower one) / ulp: the
 // random low 16 bits added to the magnitude's dropped bits carry into the kept ones. Non-finite
 // values round as float_to_bf16 does.
