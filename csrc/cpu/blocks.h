@@ -42,7 +42,9 @@ constexpr int64_t kBlockGroup = 32;
 // divider's cycles), so the vector codec drops what a block does not need (kPlain encodes, decodes
 // without the special codes' check). The tapered codes take about twice the codec uops; removing a
 // few of them per vector (shifts by a vector count, constants made once per block, no lower clamp)
-// left the step's time unchanged on AVX-512: the port count alone no longer bounds it.
+// left the step's time unchanged on AVX-512, while taking the draws' hash (two vector multiplies
+// with their long latency) once per vector instead of per lane ([note: dither phases]) made it
+// faster: what bounds the step now is the encoder's own chain of arithmetic.
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded

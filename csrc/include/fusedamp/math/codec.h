@@ -147,8 +147,9 @@ FUSEDAMP_HOST_DEVICE CodeForm code_form(bool wide) {
 constexpr uint32_t kNearestCodeUnit = 0x3fc00000u;
 
 // [note: shared state draws] A draw per element costs a coded state's store (the keyed hash,
-// [note: dither phases] in math/stochastic.h), so two states of one step (AdamW's moments) share one 32-bit draw per element: the second moment
-// takes its high 20 bits, the first moment its low 12. Each state still rounds without bias to
+// [note: dither phases] in math/stochastic.h), so two states of one step (AdamW's moments) share
+// one 32-bit draw per element: the second moment takes its high 20 bits, the first moment its
+// low 12. Each state still rounds without bias to
 // within a fraction of a step that its changes per step exceed: a second moment's change is
 // (1 - beta2) of its distance to g^2, down to 1e-4 (beta2 = 0.9999), and its threshold has 20
 // bits (bias below 2^-21 of a step); a first moment's change is (1 - beta1) of its distance, and
