@@ -37,9 +37,11 @@ def _on_grad(backward: weakref.ref[Backward], index: int, param: Tensor) -> None
 
 class Backward:
     """The hooks, the order of arrival and the bucket of grads not yet copied (module docstring);
-    ``copy`` (a weak method: its owner owns this object) takes each full bucket.
+    ``copy`` takes each full bucket and ``finish`` runs at the end of each backward (weak methods:
+    their owner owns this object).
 
-    >>> backward = Backward(slots, options, "FusedAdamW", weakref.WeakMethod(executor.copy_grads_in_backward))
+    >>> backward = Backward(slots, options, "FusedAdamW", weakref.WeakMethod(executor.copy_grads_in_backward),
+    ...                     weakref.WeakMethod(executor.end_of_backward))
     >>> backward.register(slots)  # one hook per param that requires grad
     >>> with backward.no_sync():  # grads stay on the device (gradient accumulation)
     ...     loss.backward()
@@ -51,8 +53,9 @@ class Backward:
         options: OffloadOptions,
         name: str,
         copy: weakref.WeakMethod[Callable[[list[Slot]], None]],
+        finish: weakref.WeakMethod[Callable[[], None]],
     ) -> None:
-        self.slots, self.options, self.name, self._copy = slots, options, name, copy
+        self.slots, self.options, self.name, self._copy, self._finish = slots, options, name, copy, finish
         self.hooks: list[Any] = []
         self.arrivals = 0  # slots whose arrival is recorded
         self.bucket: list[Slot] = []
@@ -119,6 +122,9 @@ class Backward:
     def _end_of_backward(self) -> None:
         self._running = False
         self.flush()
+        finish = self._finish()
+        if finish is not None:
+            finish()
 
     def flush(self) -> None:
         """Hands the bucket's grads over to be copied to the host."""

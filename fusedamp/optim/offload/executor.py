@@ -48,7 +48,11 @@ class OffloadExecutor(Executor):
         self.copies = HostCopies(device_of(params, self.name))
         self.transfers = self.copies.transfers
         self.backward = Backward(
-            self.copies.slots, options, self.name, weakref.WeakMethod(self.copy_grads_in_backward)
+            self.copies.slots,
+            options,
+            self.name,
+            weakref.WeakMethod(self.copy_grads_in_backward),
+            weakref.WeakMethod(self.end_of_backward),
         )
         self._worker = Worker()
         self._ready: list[Slot] = []  # handed to the worker by backward, not yet taken by it
@@ -139,6 +143,13 @@ class OffloadExecutor(Executor):
             with self._ready_lock:
                 self._ready.extend(bucket)
             self._worker.submit(self._step_ready)
+
+    def end_of_backward(self) -> None:
+        """With step_in_backward, backward returns once the params it handed over are stepped: the
+        next forward reads their updates, and a second backward without offload_no_sync meets its
+        clear error instead of racing the copies back (autograd's in-place check, or stale params)."""
+        if self.options.step_in_backward:
+            self.drain()
 
     def no_sync(self) -> AbstractContextManager[None]:
         return self.backward.no_sync()
