@@ -184,19 +184,23 @@ def test_deep_copies_and_pickles_keep_fusedamps_options() -> None:
 @pytest.mark.parametrize(
     ("param_dtype", "grad_dtype"), [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)]
 )
+@pytest.mark.parametrize("grad_order", ["row-major", "column-major"])
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
-def test_grads_of_the_other_half_dtype_step_as_their_fp32_values(cls, param_dtype, grad_dtype) -> None:
+def test_grads_of_the_other_half_dtype_step_as_their_fp32_values(cls, param_dtype, grad_dtype, grad_order) -> None:
     """A half param whose grad is the other half type (param.grad_dtype set; torch refuses it by
     default) steps through an fp32 copy of the grad: the bits of the step on those fp32 grads,
-    and the unscaled grad written back as the kernels write it. The ops themselves refuse the pair."""
+    and the unscaled grad written back as the kernels write it, also into a grad stored in
+    another order than its param. The ops themselves refuse the pair."""
     generator = torch.Generator().manual_seed(0)
-    values = torch.randn(300, generator=generator)
+    values = torch.randn(20, 15, generator=generator)
     crossed, reference = values.to(param_dtype), values.to(param_dtype)
     crossed.grad_dtype, reference.grad_dtype = grad_dtype, torch.float32
     options = {"lr": 1e-2, "momentum": 0.9} if cls is FusedSGD else {"lr": 1e-2}
     crossed_opt, reference_opt = cls([crossed], **options), cls([reference], **options)
     for _ in range(3):
-        grad = (torch.randn(300, generator=generator) * 2.0**8).to(grad_dtype)
+        grad = (torch.randn(20, 15, generator=generator) * 2.0**8).to(grad_dtype)
+        if grad_order == "column-major":
+            grad = grad.t().contiguous().t()
         crossed.grad, reference.grad = grad.clone(), grad.float()
         for opt in (crossed_opt, reference_opt):
             opt.grad_scale, opt.found_inf = torch.tensor(2.0**8), torch.zeros(())

@@ -1,4 +1,4 @@
-"""The base class of FusedAdamW and FusedSGD: construction, state, grouping into buckets, the step.
+"""The base class of FusedAdamW, FusedSGD and FusedMuon: construction, grouping into buckets, the step.
 
 An optimizer step groups the params that have grads by (param group, device, param dtype,
 grad dtype) and makes one fused op call per bucket. Everything the step needs from AMP (the
@@ -15,8 +15,9 @@ step() computes the AMP scalars once and hands the buckets to an executor (_exec
 in place, or with ``offload="cpu"`` on the host (fusedamp.optim.offload), where the state lives and
 the same buckets run on host copies of the params and grads.
 
-Master weights live in _masters.py, the per-bucket step pieces in _step.py, the read-only
-pass and clipping in _clipping.py.
+The state methods (made, converted, exported, loaded) live in _state.py, master weights in
+_masters.py, the per-bucket step pieces in _step.py, the read-only pass and clipping in
+_clipping.py.
 """
 
 from __future__ import annotations
@@ -25,29 +26,21 @@ import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from itertools import chain
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from fusedamp import _dtensor
-from fusedamp._layout import has_kernel, is_dense, like, real_view
-from fusedamp.optim import _codecs, _dtensor_state
+from fusedamp._layout import has_kernel
+from fusedamp.optim import _codecs
 from fusedamp.optim._clipping import check_and_norm, clip_coefficient
 from fusedamp.optim._executor import Executor
-from fusedamp.optim._masters import (
-    HALF_DTYPES,
-    MASTER_KEY,
-    REMAINDER_KEY,
-    convert_master,
-    join_bf16_remainder,
-    master_key_for,
-    state_dtype,
-)
+from fusedamp.optim._masters import HALF_DTYPES
 from fusedamp.optim._plan import StepPlan, op_call
-from fusedamp.optim._step import AmpScalars, Bucket, kernel_layouts
-from fusedamp.optim.offload import DELAYED_KEY, OffloadExecutor, OffloadOptions
+from fusedamp.optim._state import OptimizerState
+from fusedamp.optim._step import AmpScalars, Bucket
+from fusedamp.optim.offload import OffloadExecutor, OffloadOptions
 
 __all__ = ["FusedOptimizer", "check_lr", "torch_flags"]
 
@@ -78,7 +71,7 @@ def check_lr(lr: float | Tensor) -> None:
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-class FusedOptimizer(torch.optim.Optimizer, ABC):
+class FusedOptimizer(OptimizerState, ABC):
     """Base of FusedAdamW and FusedSGD; subclasses define the state and the op call.
 
     Subclasses define ``_moment_keys``, the op of a step (``_op``, ``_op_lists``,
@@ -196,19 +189,6 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
                 )
         self._executor.add_params(group["params"], group)
 
-    def _index_params(self) -> None:
-        # A param's position in the optimizer (over all groups, as state_dict numbers them): the
-        # id its random bits (stochastic params, coded states) are drawn under, the same after a
-        # resume.
-        params = chain.from_iterable(group["params"] for group in self.param_groups)
-        self._param_indices = {id(param): index for index, param in enumerate(params)}
-
-    def _param_index(self, param: Tensor) -> int:
-        index = self._param_indices.get(id(param))
-        if index is None:  # a param put into a group by hand after the optimizer indexed them
-            self._index_params()
-            index = self._param_indices[id(param)]
-        return index
 
     def __getstate__(self) -> dict[str, Any]:
         self._executor.check_picklable(type(self).__name__)
@@ -275,225 +255,6 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
     @abstractmethod
     def _step_native(self, bucket: Bucket, scalars: AmpScalars) -> None:
         """The step of a bucket the fused kernels do not take (float64), with torch's ops."""
-
-    def _new_state(self, key: str, param: Tensor, state: dict[str, Any], moments: str = "fp32") -> Tensor:
-        """A fresh state tensor for ``key`` shaped and laid out like ``param`` (the tensor the
-        kernels step), a moment stored under the ``moments`` codec (its scales: one bfloat16 per
-        256 elements); ``state`` holds the entries made before it."""
-        if key == "step":
-            return torch.zeros((), dtype=torch.float32, device=param.device)
-        if key.endswith(_codecs.SCALES_SUFFIX):
-            blocks = (param.numel() + _codecs.CODEC_BLOCK - 1) // _codecs.CODEC_BLOCK
-            return torch.zeros(blocks, dtype=_codecs.SCALE_DTYPE, device=param.device)
-        return torch.zeros_like(param, dtype=_codecs.CODED_DTYPES.get(moments, state_dtype(param.dtype)))
-
-    def _state_of(self, param: Tensor, bucket: Bucket, work_param: Tensor) -> dict[str, Any]:
-        """The state of ``param``, made like ``work_param`` (a DTensor's local shard, or the
-        dense copy of a param with gaps) where it is missing."""
-        state = self.state[param]
-        moments = bucket.group["moments"]
-        # One look per step at the first moment's dtype: a state made or loaded in another codec.
-        first = state.get(bucket.state_keys[1]) if len(bucket.state_keys) > 1 else None
-        fp32_dtype = state_dtype(work_param.dtype)
-        if first is not None and first.dtype != _codecs.CODED_DTYPES.get(moments, fp32_dtype):
-            _codecs.convert(state, bucket.state_keys, moments, fp32_dtype)
-        for key in bucket.state_keys:
-            if key not in state:
-                state[key] = self._new_state(key, work_param, state, moments)
-        master_key = bucket.master_key
-        if (MASTER_KEY in state) != (master_key == MASTER_KEY) or (REMAINDER_KEY in state) != (
-            master_key == REMAINDER_KEY
-        ):
-            convert_master(work_param, state, master_key)
-        return state
-
-    def master_of(self, param: Tensor) -> Tensor:
-        """The fp32 value the optimizer updates for ``param``.
-
-        The fp32 master itself, a rebuilt copy in remainder mode, or ``param.float()`` when the
-        param has no master (fp32 params, ``master_weights=False``, no step taken yet).
-        Offloaded, it is a host tensor (the host copy's value without a master).
-        """
-        state = self.state.get(param, {})
-        if MASTER_KEY in state:
-            return state[MASTER_KEY]
-        stepped = self._executor.stepped(param)
-        if REMAINDER_KEY in state:
-            return join_bf16_remainder(stepped, state[REMAINDER_KEY])
-        return stepped.detach().float()
-
-    def _state_like(self, param: Tensor) -> Tensor:
-        """The tensor whose device and layout the state of ``param`` takes: the host copy of an
-        offloaded optimizer, a DTensor's local shard, else ``param``."""
-        return self._executor.state_like(param)
-
-    def _indexed_params(self) -> list[Tensor]:
-        """The params in the order state_dict() numbers them."""
-        return list(chain.from_iterable(group["params"] for group in self.param_groups))
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's state_dict, with the state of DTensor params as DTensors.
-
-        The state of a DTensor param (FSDP2, tensor parallel) is kept as plain tensors made like
-        its local shard; here every per-element entry (moments, masters, remainders) becomes a
-        DTensor with the param's mesh, placements and global shape, as torch.optim holds it, and
-        the float32 block scales of 8-bit moments become a uint8 DTensor of each element's scale
-        exponent (see _dtensor_state.py), so that torch.distributed.checkpoint saves and reshards
-        it; ``step`` stays a plain tensor. The state of plain params is as the optimizer holds it.
-
-        With ``offload_delay=1`` a param whose last update is not in it yet (the next forward does
-        not see it) has that update under ``"delayed_param"``: the param as the optimizer made it.
-        """
-        self._executor.drain()
-        state_dict = super().state_dict()
-        packed = state_dict["state"]
-        delayed = self._executor.delayed_params()
-        for index, param in enumerate(self._indexed_params()):
-            if _dtensor.is_dtensor(param) and index in packed:
-                packed[index] = _dtensor_state.dtensor_entries(packed[index], param, f"param {index}")
-            if id(param) in delayed:  # a new dict: packed[index] is the optimizer's own state
-                packed[index] = {**packed.get(index, {}), DELAYED_KEY: delayed[id(param)]}
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict of this class or of the matching ``torch.optim`` optimizer.
-
-        State is copied (never aliased) onto each param's device and into its memory format:
-        steps as float32, moments as float32 (float64 / complex params: their own dtype), fp32
-        masters as float32, remainders as int16. Missing entries (masters of a torch.optim
-        state_dict) are made from the params at the next step.
-
-        The state of a DTensor param must be DTensors on the param's mesh, placements and shape
-        (this rank's shard is taken); the per-element scales of 8-bit moments are made into
-        the local blocks' codes and scales (see state_dict). A plain tensor for a DTensor param
-        (the rank-local form) is refused with a ValueError.
-
-        An offloaded optimizer puts the state on the host, like each param's host copy. A
-        ``"delayed_param"`` entry (see state_dict) goes back where it was with ``offload_delay=1``
-        (the param keeps the value the model's checkpoint gave it, and takes the update at the
-        next step: load the model first); without a delay the param takes it now.
-        """
-        state_dict = self._local_state_dict(state_dict)
-        self._executor.drain()
-        # torch would first copy every state tensor onto its param's device and cast it to the
-        # param's dtype; the state is made below from the saved values instead.
-        super().load_state_dict({**state_dict, "state": {}})
-        self._executor.after_load()
-        self._plan = self._checked_plan = None
-        # torch casts every floating state tensor to its param's dtype, which would round the
-        # fp32 moments and masters of half params: redo the cast from the saved values.
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = ((group, param) for group in self.param_groups for param in group["params"])
-        for saved_id, (group, param) in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(saved_id)
-            if saved is None:
-                continue
-            state = self.state[param]
-            local_param = self._state_like(param)
-            device = local_param.device
-            saved = dict(saved)
-            delayed = saved.pop(DELAYED_KEY, None)
-            for key, value in saved.items():
-                if key == "step":
-                    state[key] = torch.tensor(float(value), dtype=torch.float32, device=device)
-                elif key.endswith(_codecs.SCALES_SUFFIX):
-                    # bfloat16; float32 scales are the earlier format's, converted below.
-                    state[key] = value.detach().to(device, copy=True, memory_format=torch.contiguous_format)
-                elif isinstance(value, Tensor):
-                    dtype = torch.int16 if key == REMAINDER_KEY else state_dtype(param.dtype)
-                    if key == MASTER_KEY:
-                        dtype = torch.float32
-                    elif value.dtype in (torch.uint8, torch.bfloat16) and key not in (REMAINDER_KEY,):
-                        dtype = value.dtype  # coded moments stay coded (converted below if need be)
-                    value = value.detach()
-                    if value.shape == local_param.shape and is_dense(local_param):
-                        state[key] = like(value, local_param, dtype)
-                    else:  # a param with gaps is stepped through a contiguous copy
-                        state[key] = value.to(
-                            device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True
-                        )
-                else:
-                    state[key] = value  # a plain value (torch's load_state_dict ran without the state)
-            # A torch.optim state (fp32 moments) is quantized into the group's codec now, so that
-            # state_dict() and torch_state_dict() show what the next step will use.
-            moment_keys = tuple(key for key in saved if key not in (MASTER_KEY, REMAINDER_KEY))
-            _codecs.convert(state, moment_keys, group["moments"], state_dtype(param.dtype))
-            if delayed is not None:
-                self._executor.load_delayed(param, delayed)
-
-    def _local_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with each param's state in the local form the optimizer keeps (see
-        _dtensor_state.local_entries); a new dict, ``state_dict`` is left as it is."""
-        saved_ids = list(chain.from_iterable(group["params"] for group in state_dict["param_groups"]))
-        params = self._indexed_params()
-        if len(saved_ids) != len(params):
-            return state_dict  # torch's load_state_dict says what does not match
-        state = dict(state_dict["state"])
-        for index, (saved_id, param) in enumerate(zip(saved_ids, params, strict=True)):
-            saved = state.get(saved_id)
-            if saved is not None:
-                where = f"param {index} (saved as {saved_id!r})"
-                state[saved_id] = _dtensor_state.local_entries(saved, param, where)
-        return {**state_dict, "state": state}
-
-    def state_bytes(self) -> dict[str, int]:
-        """The bytes the optimizer state holds, measured from its tensors, by kind: ``masters``
-        (fp32 masters, bf16 remainders), ``moments`` (moments and momentum buffers, in their
-        codec), ``scales`` (the bfloat16 block scales of 8-bit moments) and ``other`` (step counts).
-
-        Offloaded (all of the state is then on the host), also ``params`` and ``grads`` (the
-        host copies of the params and the host grad buffers) and the totals by place: ``host``
-        (the state and the host buffers as allocated) and ``device`` (what the optimizer holds
-        on the params' device: with ``offload_gradients``, two floats per param).
-
-        >>> opt = fusedamp.FusedAdamW(model.parameters(), moments="int8")
-        >>> opt.state_bytes()["moments"]  # about 2 bytes per param after the first step
-        """
-        totals = {"masters": 0, "moments": 0, "scales": 0, "other": 0}
-        for state in self.state.values():
-            for key, value in state.items():
-                if not isinstance(value, Tensor):
-                    continue
-                local = _dtensor.local(value)
-                if key in (MASTER_KEY, REMAINDER_KEY):
-                    kind = "masters"
-                elif key.endswith(_codecs.SCALES_SUFFIX):
-                    kind = "scales"
-                elif key == "step":
-                    kind = "other"
-                else:
-                    kind = "moments"
-                totals[kind] += local.numel() * local.element_size()
-        totals.update(self._executor.buffer_bytes(sum(totals.values())))
-        return totals
-
-    def torch_state_dict(self) -> dict[str, Any]:
-        """This optimizer's state_dict as the matching ``torch.optim`` optimizer keeps it: every
-        moment as float32 values (8-bit codes and bf16 moments decoded) under torch's keys,
-        without fusedamp's own entries (masters, scales); loadable by
-        ``torch.optim.AdamW.load_state_dict`` (or ``SGD``'s), and by this class, which quantizes
-        it back into the identical codes.
-
-        >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.torch_state_dict())
-        """
-        native = self.state_dict()
-        params = self._indexed_params()
-        exported: dict[Any, dict[str, Any]] = {}
-        for index, saved in native["state"].items():
-            param = params[index]
-            entry: dict[str, Any] = {}
-            for key, value in saved.items():
-                if key in (MASTER_KEY, REMAINDER_KEY, DELAYED_KEY) or key.endswith(_codecs.SCALES_SUFFIX):
-                    continue
-                coded = isinstance(value, Tensor) and value.dtype in (torch.uint8, torch.bfloat16)
-                if coded and key != "step":
-                    # Decoded from the state as kept (a DTensor param's: its local shard's).
-                    value = _codecs.float_value(self.state[param], key)
-                    if _dtensor.is_dtensor(param):
-                        value = _dtensor_state.dtensor_entries({key: value}, param, f"param {index}")[key]
-                entry[key] = value
-            exported[index] = entry
-        return {"state": exported, "param_groups": native["param_groups"]}
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -622,41 +383,19 @@ class FusedOptimizer(torch.optim.Optimizer, ABC):
             host_copies = ((group, param, param, grad) for group, param, grad in self._grads())
         for group, param, work_param, work_grad in host_copies:
             # fp16 params with bf16 grads (or the reverse), which the kernels do not pair: through
-            # an fp32 copy of the grads (exact), written back when the step writes grads.
+            # an fp32 copy of the grads (Bucket.add).
             grad_dtype = work_grad.dtype
             cross_half = grad_dtype != work_param.dtype and {grad_dtype, work_param.dtype} == _HALF_PAIR
             grad_dtype = torch.float32 if cross_half else grad_dtype
             key = (id(group), work_param.device, work_param.dtype, grad_dtype)
             bucket = buckets.get(key)
             if bucket is None:
-                dtype = work_param.dtype
-                master_key = master_key_for(group["master_weights"], dtype)
-                moment_keys = self._moment_keys(group)
-                if group["moments"] == "int8":
-                    moment_keys = (*moment_keys, *map(_codecs.scales_key, moment_keys))
-                bucket = buckets[key] = Bucket(
-                    group, work_param.device, master_key, ("step", *moment_keys),
-                    native=not has_kernel(dtype), complex=work_param.is_complex(),
-                    stochastic=group["master_weights"] == "stochastic" and dtype in HALF_DTYPES,
-                    grad_dtype=grad_dtype,
-                )
+                bucket = buckets[key] = Bucket.of(group, work_param, self._moment_keys(group), grad_dtype)
             if type(work_param) not in _PLAIN_TENSORS or type(work_grad) not in _PLAIN_TENSORS:
                 # DTensor (FSDP2) params are updated through their local shards.
                 work_param = _dtensor.local(work_param)
                 work_grad = _dtensor.local(work_grad)
-            # The common case, both contiguous, needs no further look at the layouts.
-            if not (work_param.is_contiguous() and work_grad.is_contiguous()):
-                work_param, work_grad = kernel_layouts(bucket, work_param, work_grad)
-            if cross_half:
-                float_grad = like(work_grad, work_param, torch.float32)
-                bucket.grad_write_backs.append((work_grad, float_grad))
-                work_grad = float_grad
-            if bucket.complex:
-                bucket.params.append(real_view(work_param))
-                bucket.grads.append(real_view(work_grad))
-            else:
-                bucket.params.append(work_param)
-                bucket.grads.append(work_grad)
+            work_param = bucket.add(work_param, work_grad)
             bucket.states.append(self._state_of(param, bucket, work_param))
             bucket.param_ids.append(self._param_index(param))
         return list(buckets.values())

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fusedamp._layout import is_dense, like, real_view, same_order
+from fusedamp._layout import has_kernel, is_dense, like, real_view, same_order
+from fusedamp.optim import _codecs
+from fusedamp.optim._masters import HALF_DTYPES, master_key_for
 
 
 def on_device(tensor: Tensor | None, device: torch.device) -> Tensor | None:
@@ -59,6 +61,45 @@ class Bucket:
     call: Callable[..., None] | None = None
     grads_from_params: bool = False
 
+    @classmethod
+    def of(
+        cls, group: dict[str, Any], param: Tensor, moment_keys: tuple[str, ...], grad_dtype: torch.dtype
+    ) -> Bucket:
+        """An empty bucket for params like ``param`` in ``group``, whose state has ``moment_keys``
+        (8-bit moments add their scales) besides the step count and the master."""
+        dtype = param.dtype
+        if group["moments"] == "int8":
+            moment_keys = (*moment_keys, *map(_codecs.scales_key, moment_keys))
+        return cls(
+            group, param.device, master_key_for(group["master_weights"], dtype), ("step", *moment_keys),
+            native=not has_kernel(dtype), complex=param.is_complex(),
+            stochastic=group["master_weights"] == "stochastic" and dtype in HALF_DTYPES,
+            grad_dtype=grad_dtype,
+        )
+
+    def add(self, param: Tensor, grad: Tensor) -> Tensor:
+        """Adds a plain (local) ``param`` and its ``grad`` as the kernels walk them side by side:
+        the param itself when it is dense (else a contiguous copy, written back after the step),
+        the grad itself when it is dense in the param's element order and of the bucket's grad
+        dtype (else a copy, written back when the step writes grads). Returns the param as the
+        kernels step it, which its state is made like."""
+        # The common case, both contiguous and of the bucket's dtypes, takes no further look.
+        if not param.is_contiguous() and not is_dense(param):
+            work_param = param.detach().contiguous()
+            self.write_backs.append((param, work_param))
+            param = work_param
+        if grad.dtype != self.grad_dtype or not (
+            (grad.is_contiguous() and param.is_contiguous()) or (is_dense(grad) and same_order(grad, param))
+        ):
+            # Also fp16 params with bf16 grads (or the reverse), which the kernels do not pair:
+            # through an fp32 copy of the grads (exact).
+            work_grad = like(grad, param, self.grad_dtype)
+            self.grad_write_backs.append((grad, work_grad))
+            grad = work_grad
+        self.params.append(real_view(param) if self.complex else param)
+        self.grads.append(real_view(grad) if self.complex else grad)
+        return param
+
     def state_list(self, key: str) -> list[Tensor]:
         if self.complex:
             return [real_view(state[key]) for state in self.states]
@@ -71,7 +112,7 @@ class Bucket:
         """The scale lists of state ``key`` when the group stores it as 8-bit codes, else None."""
         if self.group["moments"] != "int8":
             return None
-        return [state[key + "_scales"] for state in self.states]
+        return [state[_codecs.scales_key(key)] for state in self.states]
 
     def rounding(self) -> dict[str, Any]:
         """The op keywords of the step's random bits: the params' ids and the group's seed (coded
@@ -135,21 +176,3 @@ def advance_steps(steps: list[Tensor], found_inf: Tensor | None) -> None:
         torch._foreach_add_(steps, 1.0)
     else:
         torch._foreach_add_(steps, (found_inf == 0).float())
-
-
-def kernel_layouts(bucket: Bucket, param: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
-    """The param and grad the kernels walk side by side: the param itself when it is dense
-    (else a contiguous copy, written back after the step), the grad itself when it is dense in
-    the param's element order (else a copy in that order, written back when the step writes
-    grads). Records the write-backs in ``bucket``."""
-    if not is_dense(param):
-        work_param = param.detach().contiguous()
-        bucket.write_backs.append((param, work_param))
-        param = work_param
-    if not (is_dense(grad) and same_order(grad, param)):
-        work_grad = like(grad, param)
-        bucket.grad_write_backs.append((grad, work_grad))
-        grad = work_grad
-    return param, grad
-
-
