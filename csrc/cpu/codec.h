@@ -63,7 +63,7 @@ struct KeyedDraws {
     const int64_t first = first_element + i;
     if constexpr (kDithered) {
       // A vector that starts at a multiple of its width lies in one group ([note: dither
-      // phases]): one hash for all its lanes.
+      // phases]): one hash for all its lanes, each adding its dither_lane_offset.
       const CodeLanes lane_steps = mul_lanes(lane_indices(), kDitherLaneStep);
       if (first % kCodeLanes == 0) {
         return add_lanes(lanes_of(dither_phase(key, first) + rotation), lane_steps);

@@ -134,7 +134,7 @@ struct StateGroup {
       const BlockEncoding encoding = block_encoding(scale);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const uint32_t unit = stochastic_code_unit<S>(group_bits + (first_place + j) * kDitherLaneStep);
+        const uint32_t unit = stochastic_code_unit<S>(group_bits + dither_lane_offset(first_place + j));
         stored.values[j] = encode_code<kSigned>(values[j], encoding, unit);
       }
       if (first % int(kCodecBlock) == 0 && first < count) scales[first / int(kCodecBlock)] = scale;
@@ -145,7 +145,7 @@ struct StateGroup {
           stored.values[j] = values[j];
         } else {
           stored.values[j] =
-              float_to_bf16_state(values[j], bf16_state_random<S>(group_bits + (first_place + j) * kDitherLaneStep));
+              float_to_bf16_state(values[j], bf16_state_random<S>(group_bits + dither_lane_offset(first_place + j)));
         }
       }
     }

@@ -130,9 +130,12 @@ FUSEDAMP_HOST_DEVICE uint32_t dither_group_bits(uint32_t key, int64_t element) {
   return rounding_bits(key, int64_t(uint64_t(element) / uint64_t(kDitherGroup)));
 }
 
+// What the element at `place` (0 to kDitherGroup - 1) of a group adds to the group's hash.
+FUSEDAMP_HOST_DEVICE uint32_t dither_lane_offset(uint32_t place) { return place * kDitherLaneStep; }
+
 // The phase of `element` in a dithered stream under `key` (the stream's dither key).
 FUSEDAMP_HOST_DEVICE uint32_t dither_phase(uint32_t key, int64_t element) {
-  return dither_group_bits(key, element) + uint32_t(uint64_t(element) % uint64_t(kDitherGroup)) * kDitherLaneStep;
+  return dither_group_bits(key, element) + dither_lane_offset(uint32_t(uint64_t(element) % uint64_t(kDitherGroup)));
 }
 
 // value rounded to a bf16 neighbour, up with probability (distance to the lower one) / ulp: the
