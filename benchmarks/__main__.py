@@ -53,6 +53,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -285,6 +286,23 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
+# Settings outside fusedamp's own FUSEDAMP_* that change what a run measures (the ISA torch and
+# oneDNN dispatch to, the threads, the GPUs): recorded in front of the run's command.
+RECORDED_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def command_line(argv: list[str], settings: dict[str, str] | None = None) -> str:
+    """The command that reproduces a run: the environment settings it ran under (fusedamp's and
+    RECORDED_SETTINGS), then ``python -m benchmarks`` with ``argv``."""
+    settings = os.environ if settings is None else settings
+    recorded = [
+        f"{name}={shlex.quote(value)}"
+        for name, value in sorted(settings.items())
+        if name.startswith("FUSEDAMP_") or name in RECORDED_SETTINGS
+    ]
+    return " ".join([*recorded, "python -m benchmarks", *map(shlex.quote, argv)])
+
+
 def environment(argv: list[str]) -> dict[str, Any]:
     """The conditions of a run, saved with its rows: what performance pages quote as a header."""
     try:
@@ -301,7 +319,7 @@ def environment(argv: list[str]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "command": " ".join(["python -m benchmarks", *argv]),
+        "command": command_line(argv),
         "build_info": build,
     }
 

@@ -327,3 +327,15 @@ def test_results_folder_holds_one_small_json_per_platform() -> None:
         results = json.loads((RESULTS / name).read_text())
         assert results["platform"] == name.removesuffix(".json")
         assert {"date", "commit", "processor", "torch", "threads", "command"} <= set(results["environment"])
+
+
+def test_a_results_file_records_the_settings_its_command_ran_under() -> None:
+    """The command a results file keeps reproduces the run: the ISA and thread settings it ran
+    under are part of it, the rest of the environment is not."""
+    from benchmarks.__main__ import command_line
+
+    settings = {"FUSEDAMP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "HOME": "/root", "PATH": "/bin"}
+    assert command_line(["--only", "optim,unscale"], settings) == (
+        "ATEN_CPU_CAPABILITY=avx2 FUSEDAMP_CPU_ISA=avx2 python -m benchmarks --only optim,unscale"
+    )
+    assert command_line([], {}) == "python -m benchmarks"
