@@ -286,20 +286,25 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-# Settings outside fusedamp's own FUSEDAMP_* that change what a run measures (the ISA torch and
-# oneDNN dispatch to, the threads, the GPUs): recorded in front of the run's command.
-RECORDED_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+# The environment settings that change what a run measures (the kernels' ISA and prefetch
+# distance, the ISA torch and oneDNN dispatch to, the threads, the GPUs): recorded in front of the
+# run's command. Build settings are not: the build's choices are in build_info.
+RECORDED_SETTINGS = (
+    "FUSEDAMP_CPU_ISA",
+    "FUSEDAMP_CPU_PREFETCH",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 def command_line(argv: list[str], settings: dict[str, str] | None = None) -> str:
-    """The command that reproduces a run: the environment settings it ran under (fusedamp's and
-    RECORDED_SETTINGS), then ``python -m benchmarks`` with ``argv``."""
+    """The command that reproduces a run: the RECORDED_SETTINGS it ran under, then
+    ``python -m benchmarks`` with ``argv``."""
     settings = os.environ if settings is None else settings
-    recorded = [
-        f"{name}={shlex.quote(value)}"
-        for name, value in sorted(settings.items())
-        if name.startswith("FUSEDAMP_") or name in RECORDED_SETTINGS
-    ]
+    names = sorted(name for name in RECORDED_SETTINGS if name in settings)
+    recorded = [f"{name}={shlex.quote(settings[name])}" for name in names]
     return " ".join([*recorded, "python -m benchmarks", *map(shlex.quote, argv)])
 
 

@@ -331,10 +331,12 @@ def test_results_folder_holds_one_small_json_per_platform() -> None:
 
 def test_a_results_file_records_the_settings_its_command_ran_under() -> None:
     """The command a results file keeps reproduces the run: the ISA and thread settings it ran
-    under are part of it, the rest of the environment is not."""
+    under are part of it, build settings (in build_info) and the rest of the environment not."""
     from benchmarks.__main__ import command_line
 
-    settings = {"FUSEDAMP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "HOME": "/root", "PATH": "/bin"}
+    settings = {
+        "FUSEDAMP_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "FUSEDAMP_CPU_ISAS": "all", "HOME": "/root"
+    }
     assert command_line(["--only", "optim,unscale"], settings) == (
         "ATEN_CPU_CAPABILITY=avx2 FUSEDAMP_CPU_ISA=avx2 python -m benchmarks --only optim,unscale"
     )

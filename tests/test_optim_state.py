@@ -186,7 +186,9 @@ def test_deep_copies_and_pickles_keep_fusedamps_options() -> None:
 )
 @pytest.mark.parametrize("grad_order", ["row-major", "column-major"])
 @pytest.mark.parametrize("cls", [FusedAdamW, FusedSGD])
-def test_grads_of_the_other_half_dtype_step_as_their_fp32_values(cls, param_dtype, grad_dtype, grad_order) -> None:
+def test_grads_of_the_other_half_dtype_step_as_their_fp32_values(
+    cls, param_dtype, grad_dtype, grad_order
+) -> None:
     """A half param whose grad is the other half type (param.grad_dtype set; torch refuses it by
     default) steps through an fp32 copy of the grad: the bits of the step on those fp32 grads,
     and the unscaled grad written back as the kernels write it, also into a grad stored in
