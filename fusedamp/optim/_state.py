@@ -35,8 +35,8 @@ __all__ = ["OptimizerState"]
 class OptimizerState(torch.optim.Optimizer):
     """The state methods of FusedOptimizer (_base.py), which sets the attributes below.
 
-    >>> opt = fusedamp.FusedAdamW(model.parameters())  # an OptimizerState
-    >>> opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    >>> opt = fusedamp.FusedAdamW(model.parameters(), moments="int8")
+    >>> opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())  # coded on load
     """
 
     _executor: Executor  # where the state lives: on the params' devices, or offloaded
