@@ -55,13 +55,13 @@ constexpr int64_t kBlockGroup = 32;
 // constructor so that `StateBlock{}` sets each member by its initializer: as an aggregate it was
 // zeroed whole first, which g++ did with `rep stosq` on the AVX2 build, three a block in the
 // half-param steps (bf16 params + remainder + int8 moments).
-template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole, bool kDithered = false>
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
 struct StateBlock {
   void* state = nullptr;                  // the state at the block's first element
   float* values = nullptr;                // the block's fp32 values: the state itself, or a tile
   int64_t first = 0;                      // the block's first element
-  uint32_t key = 0;                       // bf16, int8: the key of the chunk's rounding bits
-  uint32_t rotation = 0;                  // kDithered: the step's rotation ([note: dithered draws])
+  uint32_t key = 0;                       // bf16, int8: the chunk's dither key for this state
+  uint32_t rotation = 0;                  // bf16, int8: the step's rotation ([note: dithered draws])
   BlockDecode decode{};                   // int8: the block's scale and how its codes decode
   const float* pending_values = nullptr;  // int8: the block before, to encode; null if none
   uint8_t* pending_codes = nullptr;
@@ -82,10 +82,10 @@ struct StateBlock {
   }
 
   // Takes back the group that stage() gave, after the math updated it: a bf16 state rounded with
-  // its draws (KeyedDraws, or the TiledDraws of a shared draw), an int8 one folded into the
+  // its draws (DitheredDraws, or the TiledDraws of a shared draw), an int8 one folded into the
   // block's statistics.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
-    unstage(offset, n, KeyedDraws<kDithered>{key, first + offset, rotation});
+    unstage(offset, n, DitheredDraws{key, first + offset, rotation});
   }
 
   template <typename Draws>
@@ -100,7 +100,7 @@ struct StateBlock {
   // Writes the codes of values [offset, offset + n) of the block before this one, if any, rounded
   // with its draws (as unstage).
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n) {
-    encode_pending(offset, n, KeyedDraws<kDithered>{key, pending_first + offset, rotation});
+    encode_pending(offset, n, DitheredDraws{key, pending_first + offset, rotation});
   }
 
   template <typename Draws>
@@ -117,19 +117,19 @@ struct StateBlock {
 // [note: shared state draws] Takes back a group of the two states that share one draw per element
 // (same key, the low and the high share): the group's draws are made once, for the state that
 // rounds now: a bf16 one as the group comes back, an int8 one as the block before is encoded.
-template <StateCodec C, bool kLowSigned, bool kHighSigned, bool kDithered>
-[[gnu::always_inline]] inline void unstage_state_pair(StateBlock<C, kLowSigned, DrawShare::kLow, kDithered>& low,
-                                                      StateBlock<C, kHighSigned, DrawShare::kHigh, kDithered>& high,
+template <StateCodec C, bool kLowSigned, bool kHighSigned>
+[[gnu::always_inline]] inline void unstage_state_pair(StateBlock<C, kLowSigned, DrawShare::kLow>& low,
+                                                      StateBlock<C, kHighSigned, DrawShare::kHigh>& high,
                                                       int64_t offset, int64_t n, uint32_t* draw_tile) {
   if constexpr (C == StateCodec::kBFloat16) {
-    fill_draws(KeyedDraws<kDithered>{low.key, low.first + offset, low.rotation}, n, draw_tile);
+    fill_draws(DitheredDraws{low.key, low.first + offset, low.rotation}, n, draw_tile);
     low.unstage(offset, n, TiledDraws{draw_tile});
     high.unstage(offset, n, TiledDraws{draw_tile});
   } else if constexpr (C == StateCodec::kInt8) {
     low.unstage(offset, n);
     high.unstage(offset, n);
     if (low.pending_values != nullptr) {
-      fill_draws(KeyedDraws<kDithered>{low.key, low.pending_first + offset, low.rotation}, n, draw_tile);
+      fill_draws(DitheredDraws{low.key, low.pending_first + offset, low.rotation}, n, draw_tile);
       low.encode_pending(offset, n, TiledDraws{draw_tile});
       high.encode_pending(offset, n, TiledDraws{draw_tile});
     }
@@ -137,19 +137,18 @@ template <StateCodec C, bool kLowSigned, bool kHighSigned, bool kDithered>
 }
 
 // The chunk-long part of a staged state: the tiles of the current and the pending block, and
-// where the pending block's codes go. `key`: the chunk's rounding key for this state
-// (chunk_rounding_key with its RoundingStream, [note: unbiased state rounding]); S: its share of
-// each draw ([note: shared state draws]); kDithered: its draws are dithered, `key` then
-// ChunkKeys::dither_key and `rotation` the step's ([note: dithered draws]).
-template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole, bool kDithered = false>
+// where the pending block's codes go. `key`: the chunk's dither key for this state
+// (ChunkKeys::dither_key with its RoundingStream) and `rotation` the step's ([note: dithered
+// draws], [note: unbiased state rounding]); S: its share of each draw ([note: shared state draws]).
+template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
 class StagedState {
  public:
-  StagedState(void* state, uint16_t* scales, uint32_t key, uint32_t rotation = 0)
+  StagedState(void* state, uint16_t* scales, uint32_t key, uint32_t rotation)
       : state_(state), scales_(scales), key_(key), rotation_(rotation) {}
 
   // The block of n elements from block_first.
-  [[gnu::always_inline]] StateBlock<C, kSigned, S, kDithered> begin_block(int64_t block_first, int64_t n) {
-    StateBlock<C, kSigned, S, kDithered> block{};
+  [[gnu::always_inline]] StateBlock<C, kSigned, S> begin_block(int64_t block_first, int64_t n) {
+    StateBlock<C, kSigned, S> block{};
     block.first = block_first;
     block.key = key_;
     block.rotation = rotation_;
@@ -177,11 +176,11 @@ class StagedState {
   // Ends `block`, of n values from block_first: the pending block's codes past n are written
   // (this block is a chunk's short last one), and this block, its scale (and form) stored,
   // becomes the pending one.
-  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S, kDithered>& block, int64_t block_first,
+  [[gnu::always_inline]] void end_block(const StateBlock<C, kSigned, S>& block, int64_t block_first,
                                         int64_t n) {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ > n) {
-        const KeyedDraws<kDithered> draws{key_, pending_first_ + n, rotation_};
+        const DitheredDraws draws{key_, pending_first_ + n, rotation_};
         encode_codes<kSigned>(block.pending_values + n, pending_n_ - n, pending_scale_, block.pending_codes + n,
                               stochastic_code_rounding_of<S>(draws));
       }
@@ -197,7 +196,7 @@ class StagedState {
   [[gnu::always_inline]] void finish() {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ != 0) {
-        const KeyedDraws<kDithered> draws{key_, pending_first_, rotation_};
+        const DitheredDraws draws{key_, pending_first_, rotation_};
         uint8_t* const codes = static_cast<uint8_t*>(state_) + pending_first_;
         encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_scale_, codes,
                               stochastic_code_rounding_of<S>(draws));

@@ -44,37 +44,29 @@ inline namespace FUSEDAMP_ISA {
 #endif
 
 // Where the stochastic roundings of a run of values take their draws (value i's, element or a
-// vector from it): the keyed hash of each element (rounding_bits), or when the stream's draws are
-// dithered ([note: dithered draws]) each element's phase (dither_phase) plus the step's rotation;
-// or a tile of draws made once by fill_draws for the states that share them ([note: shared state
-// draws]).
-template <bool kDithered = false>
-struct KeyedDraws {
-  uint32_t key;
+// vector from it): every coded state's draws are dithered ([note: dithered draws]), each
+// element's phase (dither_phase) plus the step's rotation; or a tile of draws made once by
+// fill_draws for the states that share them ([note: shared state draws]).
+struct DitheredDraws {
+  uint32_t key;           // the stream's dither key (ChunkKeys::dither_key)
   int64_t first_element;  // value 0's
-  uint32_t rotation = 0;  // kDithered only
+  uint32_t rotation;      // the step's (ChunkKeys::rotation)
 
-  [[gnu::always_inline]] uint32_t element(int64_t i) const {
-    if constexpr (kDithered) return dither_phase(key, first_element + i) + rotation;
-    return rounding_bits(key, first_element + i);
-  }
+  [[gnu::always_inline]] uint32_t element(int64_t i) const { return dither_phase(key, first_element + i) + rotation; }
 #if FUSEDAMP_F16C_LANES
   [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
     const int64_t first = first_element + i;
-    if constexpr (kDithered) {
-      // A vector that starts at a multiple of its width lies in one group ([note: dither
-      // phases]): one hash for all its lanes, each adding its dither_lane_offset.
-      const CodeLanes lane_steps = mul_lanes(lane_indices(), kDitherLaneStep);
-      if (first % kCodeLanes == 0) {
-        return add_lanes(lanes_of(dither_phase(key, first) + rotation), lane_steps);
-      }
-      static_assert(kDitherGroup == 16 && kDitherGroup % kCodeLanes == 0, "a vector spans at most two groups");
-      const CodeLanes places = add_lanes(lanes_of(uint32_t(first % kDitherGroup)), lane_indices());
-      const CodeLanes groups = add_lanes(lanes_of(uint32_t(first / kDitherGroup)), shift_right(places, 4));
-      const CodeLanes offsets = mul_lanes(and_lanes(places, lanes_of(uint32_t(kDitherGroup - 1))), kDitherLaneStep);
-      return add_lanes(add_lanes(rounding_bit_lanes(key, groups), offsets), lanes_of(rotation));
+    // A vector that starts at a multiple of its width lies in one group ([note: dither phases]):
+    // one hash for all its lanes, each adding its dither_lane_offset.
+    const CodeLanes lane_steps = mul_lanes(lane_indices(), kDitherLaneStep);
+    if (first % kCodeLanes == 0) {
+      return add_lanes(lanes_of(dither_phase(key, first) + rotation), lane_steps);
     }
-    return rounding_bit_lanes(key, add_lanes(lanes_of(uint32_t(first)), lane_indices()));
+    static_assert(kDitherGroup == 16 && kDitherGroup % kCodeLanes == 0, "a vector spans at most two groups");
+    const CodeLanes places = add_lanes(lanes_of(uint32_t(first % kDitherGroup)), lane_indices());
+    const CodeLanes groups = add_lanes(lanes_of(uint32_t(first / kDitherGroup)), shift_right(places, 4));
+    const CodeLanes offsets = mul_lanes(and_lanes(places, lanes_of(uint32_t(kDitherGroup - 1))), kDitherLaneStep);
+    return add_lanes(add_lanes(rounding_bit_lanes(key, groups), offsets), lanes_of(rotation));
   }
 #endif
 };
@@ -89,8 +81,7 @@ struct TiledDraws {
 };
 
 // The first n draws of `keyed`.
-template <bool kDithered>
-[[gnu::always_inline]] inline void fill_draws(const KeyedDraws<kDithered>& keyed, int64_t n, uint32_t* draws) {
+[[gnu::always_inline]] inline void fill_draws(const DitheredDraws& keyed, int64_t n, uint32_t* draws) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   for (; i + kCodeLanes <= n; i += kCodeLanes) store_word_lanes(draws + i, keyed.lanes(i));

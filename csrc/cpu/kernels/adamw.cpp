@@ -58,11 +58,11 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
   // [note: dithered draws]).
   const uint32_t moments_key = keys.dither_key(RoundingStream::kState0);
   const uint32_t rotation = keys.rotation();
-  StagedState<C, true, DrawShare::kLow, true> exp_avg(
+  StagedState<C, true, DrawShare::kLow> exp_avg(
       m_state, static_cast<uint16_t*>(lists[kAdamWExpAvgScale][tensor]), moments_key, rotation);
-  StagedState<C, false, DrawShare::kHigh, true> exp_avg_sq(
+  StagedState<C, false, DrawShare::kHigh> exp_avg_sq(
       v_state, static_cast<uint16_t*>(lists[kAdamWExpAvgSqScale][tensor]), moments_key, rotation);
-  StagedState<C, false, DrawShare::kWhole, true> max_exp_avg_sq(
+  StagedState<C, false, DrawShare::kWhole> max_exp_avg_sq(
       v_max_state, static_cast<uint16_t*>(lists[kAdamWMaxExpAvgSqScale][tensor]),
       keys.dither_key(RoundingStream::kState1), rotation);
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
@@ -76,7 +76,7 @@ void adamw_block_range(const AdamWCall& call, int64_t tensor, const AdamWCoeffic
     auto m = exp_avg.begin_block(block, n);
     auto v = exp_avg_sq.begin_block(block, n);
     // An absent state's block stays empty: its pointers are not the state's (nor its scales).
-    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block, n) : StateBlock<C, false, DrawShare::kWhole, true>{};
+    auto v_max = kAmsgrad ? max_exp_avg_sq.begin_block(block, n) : StateBlock<C, false, DrawShare::kWhole>{};
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
       const int64_t offset = first - block;
       const StagedGroup x = param.stage(first, group, value_tile, grad_tile);

@@ -43,8 +43,8 @@ void muon_block_range(const MuonCall& call, int64_t tensor, const MuonCoefficien
   void* const buffer = lists[kMuonMomentumBuffer][tensor];
   uint16_t* const scales = static_cast<uint16_t*>(lists[kMuonMomentumBufferScale][tensor]);
   // The buffer rounds with dithered draws ([note: dithered draws]).
-  StagedState<C, true, DrawShare::kWhole, true> momentum(buffer, scales, keys.dither_key(RoundingStream::kState0),
-                                                         keys.rotation());
+  StagedState<C, true, DrawShare::kWhole> momentum(buffer, scales, keys.dither_key(RoundingStream::kState0),
+                                                   keys.rotation());
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
   for_each_codec_block(begin, end, [&](int64_t block, int64_t n) {
     update.template prefetch<C>(block, end, buffer);

@@ -48,7 +48,7 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
   const StagedParam<P, G, M> param = staged_param<P, G, M>(call, tensor, keys);
   void* const buffer = lists[kSgdMomentumBuffer][tensor];
   // Dithered draws ([note: dithered draws]).
-  StagedState<C, true, DrawShare::kWhole, true> momentum(
+  StagedState<C, true, DrawShare::kWhole> momentum(
       buffer, static_cast<uint16_t*>(lists[kSgdMomentumBufferScale][tensor]), keys.dither_key(RoundingStream::kState0),
       keys.rotation());
   alignas(64) float value_tile[kBlockGroup], grad_tile[kBlockGroup];
@@ -59,7 +59,7 @@ void sgd_block_range(const SgdCall& call, int64_t tensor, const SgdCoefficients 
       param.template prefetch<C>(block, end);
     }
     // Without momentum the block stays empty: there is no buffer (nor scales) to read.
-    auto b = kHasMomentum ? momentum.begin_block(block, n) : StateBlock<C, true, DrawShare::kWhole, true>{};
+    auto b = kHasMomentum ? momentum.begin_block(block, n) : StateBlock<C, true, DrawShare::kWhole>{};
     for_each_stage_group<kBlockGroup>(block, block + n, [&](int64_t first, auto group) {
       const int64_t offset = first - block;
       const StagedGroup x = param.stage(first, group, value_tile, grad_tile);
