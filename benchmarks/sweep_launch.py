@@ -1,8 +1,10 @@
 """The CUDA launcher's tuning sweep: the memory-bound steps of the optimizer benchmark (64M
 elements in 200 tensors) under each launch variant, in one process. The variants are run-time
 settings of the extension (``fusedamp._C.set_cuda_launch_settings``): the kernel parameter budget
-(4 KB or 32 KB, i.e. how many tensors one launch holds), the chunk size (elements per block) and,
-for unscale_ and the check, the unroll depth (16-byte pieces in flight per thread).
+(4 KB or 32 KB, i.e. how many tensors one launch holds), the chunk size (elements per block), for
+unscale_ and the check the unroll depth (16-byte pieces in flight per thread), and for the steps
+with int8 moments the coded kernels' layout (coded_runs: 1, a codec block over two warps, its
+scale reduced between two block barriers; 2, a codec block per warp, reduced within it).
 
 Per mode and variant: the kernel time (torch.profiler, the sum of the step's CUDA kernels), the
 wall time of a step on the device (CUDA events around the calls), the host time to issue one
@@ -33,6 +35,7 @@ from fusedamp.optim import FusedAdamW, FusedSGD
 PARAM_BYTES = (4096, 32764)
 CHUNK_SIZES = (2**14, 2**15, 2**16, 2**17)
 GRAD_UNROLLS = (2, 4, 8)
+CODED_RUNS = (1, 2)
 # (optimizer, param dtype, options, bench_optim's peer name for its bytes per param).
 OPTIMIZER_MODES = {
     "adamw fp32": ("adamw", torch.float32, {}, "fusedamp"),
@@ -135,7 +138,7 @@ def stream_rate(numel: int, device: str, rounds: int) -> float:
 
 def sweep(
     sizes: list[int], device: str, rounds: int, modes: list[str], chunk_sizes: tuple[int, ...],
-    param_bytes: tuple[int, ...], grad_unrolls: tuple[int, ...],
+    param_bytes: tuple[int, ...], grad_unrolls: tuple[int, ...], coded_runs: tuple[int, ...],
 ) -> dict[str, Any]:
     stream = stream_rate(sum(sizes), device, rounds)
     rows = []
@@ -146,10 +149,13 @@ def sweep(
             step, moved = make(mode, sizes, device)
             step()  # the optimizers' state
             unrolls = (None,) if mode in OPTIMIZER_MODES else grad_unrolls
-            variants = [(b, c, u) for b in param_bytes for c in chunk_sizes for u in unrolls]
-            for budget, chunk_size, unroll in variants:
+            layouts = coded_runs if mode in OPTIMIZER_MODES and int8_moments(mode) else (None,)
+            variants = [
+                (b, c, u, r) for b in param_bytes for c in chunk_sizes for u in unrolls for r in layouts
+            ]
+            for budget, chunk_size, unroll, runs in variants:
                 fusedamp._C.set_cuda_launch_settings(
-                    chunk_size=chunk_size, param_bytes=budget, grad_unroll=unroll
+                    chunk_size=chunk_size, param_bytes=budget, grad_unroll=unroll, coded_runs=runs
                 )
                 step()
                 kernels, launches = kernel_time(step, device, steps=3)
@@ -160,6 +166,7 @@ def sweep(
                     "param_bytes": budget,
                     "chunk_size": chunk_size,
                     "grad_unroll": unroll,
+                    "coded_runs": runs,
                     "kernel_ms": None if kernels is None else kernels * 1e3,
                     "wall_ms": wall * 1e3,
                     "host_ms": host_time(step, device, rounds) * 1e3,
@@ -174,6 +181,11 @@ def sweep(
     finally:
         fusedamp._C.set_cuda_launch_settings(**previous)
     return {"stream_gb_per_s": stream, "rows": rows}
+
+
+def int8_moments(mode: str) -> bool:
+    """Whether an optimizer mode's states are 8-bit (its kernels take the layouts of coded_runs)."""
+    return OPTIMIZER_MODES[mode][2].get("moments") == "int8"
 
 
 def numbers(text: str) -> tuple[int, ...]:
@@ -192,6 +204,7 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", default=",".join(map(str, CHUNK_SIZES)))
     parser.add_argument("--param-bytes", default=",".join(map(str, PARAM_BYTES)))
     parser.add_argument("--grad-unrolls", default=",".join(map(str, GRAD_UNROLLS)))
+    parser.add_argument("--coded-runs", default=",".join(map(str, CODED_RUNS)))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -204,12 +217,12 @@ def main() -> None:
     sizes = param_sizes(elements, args.tensors)
     result = sweep(
         sizes, args.device, rounds, modes, numbers(args.chunk_sizes), numbers(args.param_bytes),
-        numbers(args.grad_unrolls),
+        numbers(args.grad_unrolls), numbers(args.coded_runs),
     )
     print(f"sweep_launch: {sum(sizes)} elements in {len(sizes)} tensors on {args.device}, "
           f"in-place stream {result['stream_gb_per_s']:.0f} GB/s")
-    columns = ["mode", "param_bytes", "chunk_size", "grad_unroll", "kernel_ms", "wall_ms", "host_ms",
-               "launches_per_step", "share_of_stream"]
+    columns = ["mode", "param_bytes", "chunk_size", "grad_unroll", "coded_runs", "kernel_ms", "wall_ms",
+               "host_ms", "launches_per_step", "share_of_stream"]
     print(format_table(result["rows"], columns))
     write_json(args.json, {"environment": environment(args.device), "elements": sum(sizes),
                            "tensors": len(sizes), "rounds": rounds, **result})

@@ -170,14 +170,17 @@ def test_gpu_check_sweep_stage_runs_alone_and_writes_its_json(tmp_path: Path) ->
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["stages"]) == ["build", "sweep"] and summary["ok"]
     sweep = json.loads((out / "sweep.json").read_text())
-    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes, and for the 2
-    # grad ops x 3 unroll depths.
+    # Every mode under every variant: 2 kernel parameter budgets x 4 chunk sizes, for the 2 steps
+    # with int8 moments x 2 coded layouts, and for the 2 grad ops x 3 unroll depths.
     modes = {row["mode"] for row in sweep["rows"]}
-    assert len(modes) == 9 and len(sweep["rows"]) == 7 * 8 + 2 * 8 * 3
+    assert len(modes) == 9 and len(sweep["rows"]) == 5 * 8 + 2 * 8 * 2 + 2 * 8 * 3
     assert {(row["param_bytes"], row["chunk_size"]) for row in sweep["rows"]} == {
         (budget, 2**k) for budget in (4096, 32764) for k in range(14, 18)
     }
     assert {row["grad_unroll"] for row in sweep["rows"]} == {None, 2, 4, 8}
+    assert {row["mode"] for row in sweep["rows"] if row["coded_runs"] == 2} == {
+        "adamw fp32, int8 moments", "adamw bf16 + remainder, int8 moments"
+    }
     assert all(row["share_of_stream"] > 0 and row["bytes"] > 0 for row in sweep["rows"])
     assert sweep["stream_gb_per_s"] > 0
     assert len(list(out.iterdir())) <= 8

@@ -193,9 +193,9 @@ def test_grad_ops_step_is_one_launch_for_any_chunk_size(chunk_size: int) -> None
 def test_launch_settings_are_checked_and_restored() -> None:
     previous = _C.set_cuda_launch_settings(chunk_size=2**14, param_bytes=SMALL_PARAMS)
     try:
-        assert previous == {"chunk_size": DEFAULT_CHUNK, "param_bytes": 0, "grad_unroll": 4}
-        _C.set_cuda_launch_settings(grad_unroll=8)
-        expected = {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS, "grad_unroll": 8}
+        assert previous == {"chunk_size": DEFAULT_CHUNK, "param_bytes": 0, "grad_unroll": 4, "coded_runs": 1}
+        _C.set_cuda_launch_settings(grad_unroll=8, coded_runs=2)
+        expected = {"chunk_size": 2**14, "param_bytes": SMALL_PARAMS, "grad_unroll": 8, "coded_runs": 2}
         assert _C.cuda_launch_settings() == expected
         for bad in (3000, 2**11, 2**25):
             with pytest.raises(ValueError, match="chunk_size"):
@@ -204,6 +204,9 @@ def test_launch_settings_are_checked_and_restored() -> None:
             _C.set_cuda_launch_settings(param_bytes=8192)
         with pytest.raises(ValueError, match="grad_unroll"):
             _C.set_cuda_launch_settings(grad_unroll=3)
+        for bad in (0, 3):
+            with pytest.raises(ValueError, match="coded_runs must be 1 or 2, got"):
+                _C.set_cuda_launch_settings(coded_runs=bad)
         assert _C.cuda_launch_settings() == expected
     finally:
         _C.set_cuda_launch_settings(**previous)
@@ -227,3 +230,32 @@ def test_strided_pieces_cover_an_iteration_once_with_coalesced_warps(element_byt
         for u in range(unroll):
             starts = [lane[u * piece] for lane in lanes]
             assert starts == list(range(starts[0], starts[0] + 32 * piece, piece))
+
+
+@pytest.mark.parametrize("runs", [1, 2])
+def test_coded_layouts_give_each_codec_block_to_its_threads_with_coalesced_warps(runs: int) -> None:
+    """The coded optimizer kernels' layout (256 threads, 4 values a run): the iteration covered once,
+    each codec block (256 elements) held by 256 / (4 runs) consecutive threads, one warp with two
+    runs, so that its scale is a reduction within the warp; each run 4 consecutive elements, and a
+    warp's runs side by side (a warp access is contiguous)."""
+    threads, run, block = 256, 4, 256
+    offsets = _C.testing.coded_elements(runs, threads)
+    flat = [offset for thread in offsets for offset in thread]
+    assert sorted(flat) == list(range(threads * runs * run))
+    block_threads = block // (runs * run)
+    assert block_threads == (32 if runs == 2 else 64)
+    for first_thread in range(0, threads, block_threads):
+        held = sorted(o for thread in offsets[first_thread : first_thread + block_threads] for o in thread)
+        first = held[0]
+        assert first % block == 0 and held == list(range(first, first + block))
+    for thread in offsets:
+        for r in range(runs):
+            start = thread[r * run]
+            assert thread[r * run : (r + 1) * run] == list(range(start, start + run))
+    for warp in range(threads // 32):
+        lanes = offsets[32 * warp : 32 * warp + 32]
+        for r in range(runs):
+            starts = [lane[r * run] for lane in lanes]
+            assert starts == list(range(starts[0], starts[0] + 32 * run, run))
+    with pytest.raises(ValueError, match="runs must be 1 or 2"):
+        _C.testing.coded_elements(3, threads)

@@ -597,23 +597,31 @@ def test_distributed_checkpoint_resume_is_bitwise(tmp_path: Path, one_rank_group
         (torch.float16, True, "int8"),
     ],
 )
-def test_cuda_momentum_and_update_equal_cpu(dtype: torch.dtype, master_weights: object, moments: str) -> None:
+@pytest.mark.parametrize("coded_runs", [1, 2])
+def test_cuda_momentum_and_update_equal_cpu(
+    dtype: torch.dtype, master_weights: object, moments: str, coded_runs: int
+) -> None:
     """The fused kernels on CUDA give the CPU's bits (momentum codes, masters, params) with an fp32
     orthogonalization, whose matmuls differ between the devices only in rounding: the params are
-    compared to that, the state exactly after the first step."""
+    compared to that, the state exactly after the first step; in either layout of the coded CUDA
+    kernels."""
     cpu = make_params(dtype)
     gpu = [p.detach().cuda().requires_grad_() for p in cpu]
     options = {"lr": 0.02, "master_weights": master_weights, "moments": moments, "ns_dtype": torch.float32}
     cpu_opt, gpu_opt = fusedamp.FusedMuon(cpu, **options), fusedamp.FusedMuon(gpu, **options)
-    for step in range(3):
-        set_grads(cpu, step)
-        for c, g in zip(cpu, gpu, strict=True):
-            g.grad = c.grad.cuda()
-        cpu_opt.step()
-        gpu_opt.step()
-        if step == 0:
+    previous = fusedamp._C.set_cuda_launch_settings(coded_runs=coded_runs)
+    try:
+        for step in range(3):
+            set_grads(cpu, step)
             for c, g in zip(cpu, gpu, strict=True):
-                expected = cpu_opt.state[c]["momentum_buffer"]
-                assert torch.equal(gpu_opt.state[g]["momentum_buffer"].cpu(), expected)
+                g.grad = c.grad.cuda()
+            cpu_opt.step()
+            gpu_opt.step()
+            if step == 0:
+                for c, g in zip(cpu, gpu, strict=True):
+                    expected = cpu_opt.state[c]["momentum_buffer"]
+                    assert torch.equal(gpu_opt.state[g]["momentum_buffer"].cpu(), expected)
+    finally:
+        fusedamp._C.set_cuda_launch_settings(**previous)
     for c, g in zip(cpu, gpu, strict=True):
         torch.testing.assert_close(g.cpu().float(), c.float(), rtol=2**-6, atol=1e-5)

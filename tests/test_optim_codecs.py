@@ -335,19 +335,25 @@ def test_the_op_rejects_bad_scales_and_rounding_ids() -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("coded_runs", [1, 2])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize(("dtype", "master_weights", "moments"), MODES)
-def test_cuda_gives_the_cpu_bits(optimizer, dtype, master_weights, moments) -> None:
+def test_cuda_gives_the_cpu_bits(optimizer, dtype, master_weights, moments, coded_runs) -> None:
     # Both backends compile without FMA contraction and share the codec and the hash: codes,
-    # scales, params (stochastic ones included) and masters match bit for bit.
+    # scales, params (stochastic ones included) and masters match bit for bit, in either layout
+    # of the coded CUDA kernels (a codec block over two warps, or one warp's).
     cpu_params, cpu_opt = run(optimizer, dtype, master_weights, moments)
     params = [p.detach().cuda().requires_grad_() for p in make_params(dtype)]
     opt = OPTIMIZERS[optimizer](params, master_weights=master_weights, moments=moments, seed=7)
-    for step in range(4):
-        set_grads(cpu_params, step)  # the same grads, made on the CPU
-        for param, cpu_param in zip(params, cpu_params, strict=True):
-            param.grad = cpu_param.grad.cuda()
-        opt.step()
+    previous = _C.set_cuda_launch_settings(coded_runs=coded_runs)
+    try:
+        for step in range(4):
+            set_grads(cpu_params, step)  # the same grads, made on the CPU
+            for param, cpu_param in zip(params, cpu_params, strict=True):
+                param.grad = cpu_param.grad.cuda()
+            opt.step()
+    finally:
+        _C.set_cuda_launch_settings(**previous)
     assert_bitwise(snapshot(cpu_params, cpu_opt), [t.cpu() for t in snapshot(params, opt)])
 
 

@@ -214,8 +214,9 @@ stage benchmarks "$BENCHMARK_S" "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks
 demo=(--time-budget 45)
 if (( DRY_RUN )); then demo=(--modes fp32 --epochs 1 --batch-size 32 --train-size 64 --test-size 32); fi
 stage demo 60 "$OUT/benchmarks.log" "$PYTHON" -u -m fusedamp.demo "${demo[@]}" --json "$OUT/demo.json" || status=1
-# The launcher's tuning sweep (benchmarks/sweep_launch.py: chunk sizes and kernel parameter
-# budgets, kernel and wall times, into sweep.json): only when GPU_CHECK_STAGES names it, as it
+# The launcher's tuning sweep (benchmarks/sweep_launch.py: chunk sizes, kernel parameter budgets,
+# the grad ops' unroll depths and the coded kernels' layouts, kernel and wall times, into
+# sweep.json): only when GPU_CHECK_STAGES names it, as it
 # does not fit one call beside the stages above: GPU_CHECK_STAGES=sweep bash tools/gpu_check.sh
 if [[ ",$STAGES_WANTED," == *",sweep,"* ]]; then
   stage sweep 200 "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks.sweep_launch --json "$OUT/sweep.json" || status=1

@@ -9,10 +9,9 @@ namespace fusedamp::cuda {
 namespace {
 
 // kStochastic: as adamw_coded_kernel.
-template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic, typename Meta>
+template <DType P, DType G, MasterKind M, StateCodec C, bool kStochastic, int kRuns, typename Meta>
 __global__ void __launch_bounds__(kBlockThreads)
     sgd_coded_kernel(const __grid_constant__ Meta meta, const StepArgs<SgdCall> args) {
-  constexpr int E = kOptimizerElements;
   const auto s = begin_step_chunk<SgdCall>(meta, args);  // [note: optimizer chunk]
   if (s.skipped) return;
   const bool has_buffer = s.coefficients.momentum != 0.0f;
@@ -26,24 +25,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   auto* buffer = chunk_pointer<codec_storage_t<C>>(meta, kSgdMomentumBuffer, s.chunk);
   uint16_t* scales = chunk_scales(meta, kSgdMomentumBufferScale, s.chunk);
   const int count = int(s.chunk.count);
-  const bool aligned = all_aligned<E>(param_side.param, param_side.grad, param_side.master, buffer);
-  for_each_coded_group<E>(count, aligned, [&](int first, bool vector) {
-    ParamGroups<P, G, M, E> x;
-    StateGroup<C, true, E> buffer_group;
-    x.load(param_side, first, count, vector);
-    if (has_buffer) buffer_group.load(buffer, scales, first, count, vector);
-
-    const int64_t element = s.chunk.begin + first;
-    x.template update<kStochastic>(
-        [&](auto p, auto m, void* param, int j) {
-          const SgdTensorPointers registers{param, x.grad.values, x.master.values, buffer_group.values};
-          sgd_element<decltype(p)::value, G, decltype(m)::value>(registers, j, s.coefficients, s.multiplier,
-                                                                 args.inputs.write_grad, has_buffer);
-        },
-        key, element);
-
-    if (has_buffer) buffer_group.store(buffer, scales, first, count, vector, buffer_key, element, rotation);
-    x.store(param_side, first, count, vector, args.inputs.write_grad);
+  const bool aligned = all_aligned<kCodedRun>(param_side.param, param_side.grad, param_side.master, buffer);
+  for_each_coded_group<kRuns>(count, [&](int base) {
+    StateGroup<C, true, kRuns> buffer_group;
+#pragma unroll
+    for (int r = 0; r < kRuns; ++r) {
+      const CodedRun run = CodedLayout<kRuns>::run(base, r, count, aligned);
+      ParamGroups<P, G, M, kCodedRun> x;
+      x.load(param_side, run.first, count, run.vector);
+      if (has_buffer) buffer_group.load(buffer, scales, base, r, count, aligned);
+      x.template update<kStochastic>(
+          [&](auto p, auto m, void* param, int j) {
+            const SgdTensorPointers registers{param, x.grad.values, x.master.values, buffer_group.run_values(r)};
+            sgd_element<decltype(p)::value, G, decltype(m)::value>(registers, j, s.coefficients, s.multiplier,
+                                                                   args.inputs.write_grad, has_buffer);
+          },
+          key, s.chunk.begin + run.first);
+      x.store(param_side, run.first, count, run.vector, args.inputs.write_grad);
+      if (has_buffer) buffer_group.store(buffer, scales, base, r, count, aligned, buffer_key, s.chunk.begin, rotation);
+    }
   });
 }
 
@@ -51,14 +51,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 void sgd_coded_cuda(const SgdCall& call) {
   const StepArgs<SgdCall> args = step_args(call);
-  with_coded_kernel(call, [&](auto p, auto g, auto m, auto c, auto stochastic) {
+  with_coded_kernel(call, [&](auto p, auto g, auto m, auto c, auto stochastic, auto runs) {
     constexpr DType P = decltype(p)::value, G = decltype(g)::value;
     constexpr MasterKind M = decltype(m)::value;
     constexpr StateCodec C = decltype(c)::value;
     constexpr bool kStochastic = decltype(stochastic)::value;
+    constexpr int kRuns = decltype(runs)::value;
     constexpr uint32_t kLists = SgdCall::kernel_lists(M != MasterKind::kNone, C, true);
     launch_chunks<kLists>(
-        [](auto meta) { return sgd_coded_kernel<P, G, M, C, kStochastic, typename decltype(meta)::type>; },
+        [](auto meta) { return sgd_coded_kernel<P, G, M, C, kStochastic, kRuns, typename decltype(meta)::type>; },
         call.lists.pointers, call.lists.numels, current_chunk_size(), args);
   });
 }

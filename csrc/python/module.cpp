@@ -85,11 +85,11 @@ std::pair<int32_t, int64_t> optimizer_kernel_footprint_for_test(const std::strin
 py::dict cuda_launch_settings() {
   const fusedamp::LaunchSettings& s = fusedamp::launch_settings();
   return py::dict(py::arg("chunk_size") = s.chunk_size.load(), py::arg("param_bytes") = s.param_bytes.load(),
-                  py::arg("grad_unroll") = s.grad_unroll.load());
+                  py::arg("grad_unroll") = s.grad_unroll.load(), py::arg("coded_runs") = s.coded_runs.load());
 }
 
 py::dict set_cuda_launch_settings(std::optional<int64_t> chunk_size, std::optional<int64_t> param_bytes,
-                                  std::optional<int64_t> grad_unroll) {
+                                  std::optional<int64_t> grad_unroll, std::optional<int64_t> coded_runs) {
   TORCH_CHECK_VALUE(!chunk_size || fusedamp::valid_chunk_size(*chunk_size), "set_cuda_launch_settings: chunk_size ",
                     *chunk_size, " is not a power of two in [", fusedamp::kMinChunkSize, ", ",
                     fusedamp::kMaxChunkSize, "]");
@@ -98,11 +98,14 @@ py::dict set_cuda_launch_settings(std::optional<int64_t> chunk_size, std::option
                     param_bytes.value_or(0));
   TORCH_CHECK_VALUE(!grad_unroll || fusedamp::valid_grad_unroll(*grad_unroll),
                     "set_cuda_launch_settings: grad_unroll must be 2, 4 or 8, got ", grad_unroll.value_or(0));
+  TORCH_CHECK_VALUE(!coded_runs || fusedamp::valid_coded_runs(*coded_runs),
+                    "set_cuda_launch_settings: coded_runs must be 1 or 2, got ", coded_runs.value_or(0));
   py::dict previous = cuda_launch_settings();
   fusedamp::LaunchSettings& s = fusedamp::launch_settings();
   if (chunk_size) s.chunk_size.store(*chunk_size);
   if (param_bytes) s.param_bytes.store(*param_bytes);
   if (grad_unroll) s.grad_unroll.store(*grad_unroll);
+  if (coded_runs) s.coded_runs.store(*coded_runs);
   return previous;
 }
 
@@ -305,12 +308,16 @@ PYBIND11_MODULE(_C, m) {
         "How many threads the CPU ops' at::parallel_for runs on.");
   m.def("cuda_launch_settings", &cuda_launch_settings,
         "The CUDA multi-tensor launcher's settings: chunk_size (elements per block), param_bytes "
-        "(kernel parameter budget; 0: the largest the device allows) and grad_unroll (16-byte "
-        "pieces in flight per thread in unscale_ and check_and_norm_).");
+        "(kernel parameter budget; 0: the largest the device allows), grad_unroll (16-byte "
+        "pieces in flight per thread in unscale_ and check_and_norm_) and coded_runs (runs of 4 "
+        "values per thread in the optimizer kernels with 8-bit states: 1, a codec block over two "
+        "warps; 2, one warp's).");
   m.def("set_cuda_launch_settings", &set_cuda_launch_settings, py::arg("chunk_size") = py::none(),
         py::arg("param_bytes") = py::none(), py::arg("grad_unroll") = py::none(),
+        py::arg("coded_runs") = py::none(),
         "Set the CUDA launcher's chunk_size (a power of two, 4096 to 2^24), param_bytes (0, 4096 or "
-        "32764) and/or grad_unroll (2, 4 or 8) for the ops issued next; returns the previous settings.");
+        "32764), grad_unroll (2, 4 or 8) and/or coded_runs (1 or 2) for the ops issued next; returns "
+        "the previous settings.");
   fusedamp::def_prepared(m);
   m.def("last_level_cache_bytes", &fusedamp::cpu::last_level_cache_bytes,
         "The last-level cache the CPU optimizers size their param stores by, in bytes.");
@@ -351,6 +358,18 @@ PYBIND11_MODULE(_C, m) {
     return offsets;
   }, py::arg("element_bytes"), py::arg("unroll"), py::arg("threads"),
      "The iteration's element each value of each thread holds in unscale_ and the check.");
+  testing.def("coded_elements", [](int32_t runs, int32_t threads) {
+    TORCH_CHECK_VALUE(fusedamp::valid_coded_runs(runs) && threads > 0,
+                      "coded_elements: runs must be 1 or 2 and threads positive");
+    std::vector<std::vector<int32_t>> offsets(threads);
+    for (int32_t t = 0; t < threads; ++t) {
+      for (int32_t j = 0; j < runs * fusedamp::kCodedRun; ++j) {
+        offsets[t].push_back(fusedamp::coded_element_offset(j, t, runs, int32_t(fusedamp::kCodecBlock)));
+      }
+    }
+    return offsets;
+  }, py::arg("runs"), py::arg("threads"),
+     "The iteration's element each value of each thread holds in the coded optimizer kernels.");
   testing.def("optimizer_kernel_footprint", &optimizer_kernel_footprint_for_test, py::arg("op"),
               py::arg("master"), py::arg("codec"), py::arg("coded"),
               "(lists carried, argument bytes) of an optimizer's CUDA kernel in a mode.");

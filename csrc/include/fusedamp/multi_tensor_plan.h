@@ -100,9 +100,10 @@ constexpr int32_t metadata_slots(int32_t lists, int64_t param_bytes, int64_t arg
 
 // The CUDA launcher's settings, read when a multi-tensor op is issued: elements per chunk (one
 // block each), the kernel parameter budget (0: the largest the device and driver allow, else
-// kSmallKernelParamBytes or kLargeKernelParamBytes where allowed) and the grad ops' unroll depth. Run-time settings, so that a
-// tuning sweep times every variant in one process; the norm of check_and_norm_ sums per-chunk
-// partials, so its bits are those of one chunk size.
+// kSmallKernelParamBytes or kLargeKernelParamBytes where allowed), the grad ops' unroll depth and
+// the coded kernels' layout. Run-time settings, so that a tuning sweep times every variant in one
+// process; the norm of check_and_norm_ sums per-chunk partials, so its bits are those of one chunk
+// size (the optimizers' bits are the same under every setting).
 constexpr int64_t kDefaultChunkSize = int64_t(1) << 16;
 constexpr int64_t kMinChunkSize = int64_t(1) << 12;  // whole iterations of the coded kernels
 constexpr int64_t kMaxChunkSize = int64_t(1) << 24;
@@ -111,10 +112,16 @@ constexpr int64_t kMaxChunkSize = int64_t(1) << 24;
 // before the first store, so a thread has that many in flight. Each depth is its own kernel.
 constexpr int64_t kDefaultGradUnroll = 4;
 
+// The runs of 4 values per thread and iteration of the optimizer kernels with 8-bit states ([note:
+// coded layouts]): 1, a codec block over two warps, its scale reduced through shared memory
+// between two barriers; 2, a codec block per warp, reduced within the warp. Each is its own kernel.
+constexpr int64_t kDefaultCodedRuns = 1;
+
 struct LaunchSettings {
   std::atomic<int64_t> chunk_size{kDefaultChunkSize};
   std::atomic<int64_t> param_bytes{0};
   std::atomic<int64_t> grad_unroll{kDefaultGradUnroll};
+  std::atomic<int64_t> coded_runs{kDefaultCodedRuns};
 };
 
 inline LaunchSettings& launch_settings() {
@@ -128,6 +135,8 @@ inline bool valid_chunk_size(int64_t chunk_size) {
 
 inline bool valid_grad_unroll(int64_t unroll) { return unroll == 2 || unroll == 4 || unroll == 8; }
 
+inline bool valid_coded_runs(int64_t runs) { return runs == 1 || runs == 2; }
+
 inline bool valid_param_bytes(int64_t param_bytes) {
   return param_bytes == 0 || param_bytes == kSmallKernelParamBytes || param_bytes == kLargeKernelParamBytes;
 }
@@ -137,6 +146,21 @@ inline bool valid_param_bytes(int64_t param_bytes) {
 // every thread of a block lies in one run of threads * piece elements.
 FUSEDAMP_HOST_DEVICE int32_t strided_piece_offset(int32_t j, int32_t thread, int32_t piece, int32_t threads) {
   return ((j / piece) * threads + thread) * piece + j % piece;
+}
+
+constexpr int32_t kWarpThreads = 32;
+
+// [note: coded layouts] The element of an iteration of a coded optimizer kernel that value j of
+// thread `thread` holds when each thread takes `runs` runs of kCodedRun values: the threads of each
+// codec block (codec_block elements, codec_block / (kCodedRun * runs) threads) hold it with their
+// runs side by side ([note: strided pieces] within those threads), so every warp access is
+// contiguous. With two runs a codec block is one warp's, its scale a reduction within the warp.
+constexpr int32_t kCodedRun = 4;
+
+FUSEDAMP_HOST_DEVICE int32_t coded_element_offset(int32_t j, int32_t thread, int32_t runs, int32_t codec_block) {
+  const int32_t block_threads = codec_block / (kCodedRun * runs);
+  return (thread / block_threads) * codec_block +
+         strided_piece_offset(j, thread % block_threads, kCodedRun, block_threads);
 }
 
 // [note: per-tensor reduction] The blocks of one multi-tensor call, numbered across its launches
