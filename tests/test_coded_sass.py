@@ -13,7 +13,7 @@ import pytest
 
 import fusedamp
 from fusedamp import _C
-from tools.gemm_sass import find_tool, opcodes, sass_by_arch_and_kernel
+from tools.gemm_sass import file_sass, find_tool, opcodes
 
 BUILT_ARCHS = ["sm_" + arch.replace(".", "") for arch in fusedamp.build_info()["cuda_archs"]]
 # The kernel families with 8-bit states, and how their mangled names spell the codec and the runs.
@@ -33,7 +33,7 @@ pytestmark = [
 def int8_kernels() -> dict[tuple[str, str, int], list[str]]:
     """{(arch, family, runs): the opcodes of each such kernel} over the built extension."""
     found: dict[tuple[str, str, int], list[str]] = {}
-    for (arch, name), code in sass_by_arch_and_kernel([_C.__file__]).items():
+    for (arch, name), code in file_sass(_C.__file__).items():
         family = next((f for f in FAMILIES if f in name), None)
         runs = INT8_RUNS.search(name)
         if family is not None and runs is not None:

@@ -20,7 +20,7 @@ import torch
 
 import fusedamp
 from fusedamp import _C
-from tools.gemm_sass import ACTIVATIONS, Instance, find_tool, measure, sass_by_arch_and_kernel
+from tools.gemm_sass import ACTIVATIONS, Instance, file_sass, find_tool, measure, sass_by_arch_and_kernel
 
 FILES = [f for f in os.environ.get("FUSEDAMP_GEMM_SASS_FILES", "").split(os.pathsep) if f]
 GEMM_CUDA_BUILT = _C.cuda_compiled and torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -58,7 +58,7 @@ pytestmark = [
 
 @cache
 def sass() -> dict[tuple[str, str], str]:
-    return sass_by_arch_and_kernel(FILES or [_C.__file__])
+    return sass_by_arch_and_kernel(FILES) if FILES else file_sass(_C.__file__)
 
 
 @cache

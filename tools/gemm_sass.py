@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 # Instruction classes counted per instance (opcode prefixes).
@@ -46,20 +47,27 @@ def sass_by_arch_and_kernel(paths: list[str]) -> dict[tuple[str, str], str]:
         raise FileNotFoundError("cuobjdump/nvdisasm missing: pip install nvidia-cuda-cuobjdump "
                                 "nvidia-cuda-nvdisasm")
     env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ["PATH"])
-    kernels: dict[tuple[str, str], str] = {}
+    lines: dict[tuple[str, str], list[str]] = {}  # joined once at the end: += on the strings was quadratic
     for path in paths:
         dump = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, env=env,
                               check=True).stdout
-        arch = name = None
+        arch = None
+        current: list[str] | None = None
         for line in dump.splitlines():
             if m := re.match(r"\s*code for (sm_\w+)", line):
-                arch, name = m.group(1), None
+                arch, current = m.group(1), None
             elif m := re.match(r"\s*Function : (\S+)", line):
-                name = m.group(1)
-                kernels[arch, name] = ""
-            elif name is not None:
-                kernels[arch, name] += line + "\n"
-    return kernels
+                current = lines[arch, m.group(1)] = []
+            elif current is not None:
+                current.append(line)
+    return {key: "\n".join(body) + "\n" if body else "" for key, body in lines.items()}
+
+
+@cache
+def file_sass(path: str) -> dict[tuple[str, str], str]:
+    """sass_by_arch_and_kernel of one file, made once a process: the checks of several kernel
+    families read the built extension's (most of a minute of cuobjdump)."""
+    return sass_by_arch_and_kernel([path])
 
 
 def opcodes(sass: str) -> list[str]:
