@@ -40,11 +40,12 @@ constexpr int64_t kBlockGroup = 32;
 // behind. With the earlier codes the loop was then bound by its vector ports, not by the divider
 // (llvm-mca on the AVX-512 loop counted more uops per 16 values on each of ports 0 and 5 than the
 // divider's cycles), so the vector codec drops what a block does not need (kPlain encodes, decodes
-// without the special codes' check). The tapered codes take about twice the codec uops; removing a
-// few of them per vector (shifts by a vector count, constants made once per block, no lower clamp)
-// left the step's time unchanged on AVX-512, while taking the draws' hash (two vector multiplies
-// with their long latency) once per vector instead of per lane ([note: dither phases]) made it
-// faster: what bounds the step now is the encoder's own chain of arithmetic.
+// without the special codes' check). The tapered codes take about twice the codec uops, and the
+// step is bound by them: vector instructions added to the encoder slow it about in proportion.
+// On AVX2 dropping single ones pays (shifts by a vector of counts, no lower clamp, a one-
+// instruction mask test, zero codes by an andnot); on AVX-512 the same cuts, or constants made once
+// a block instead of once a group, left the step's time unchanged or slower. Taking the draws'
+// hash once per vector instead of per lane ([note: dither phases]) made both faster.
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded

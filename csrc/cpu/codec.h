@@ -274,8 +274,9 @@ template <bool kSigned, bool kPlain>
   const CodeLanes bits = load_bit_lanes(values);
   const CodeLanes magnitude = !kSigned && kPlain ? bits : and_lanes(bits, lanes_of(0x7fffffffu));
   // encode_code's steps; every value compared is below 2^31, so signed compares order the bits.
+  // Without the lower clamp: the code of a lane below the smallest code is replaced below.
   const CodeLanes relative = mul_float_lanes(magnitude, block.inverse);
-  const CodeLanes position = min_lanes(max_lanes(relative, block.smallest_bits), block.top_bits);
+  const CodeLanes position = min_lanes(relative, block.top_bits);
   const CodeLanes real_code =
       or_lanes(shift_right_by(sub_lanes(position, block.bias), block.shift), block.dropped_bits);
   CodeLanes code = sub_lanes(float_lanes_as_integers(add_float_lanes(real_code, unit)), block.code_base);
@@ -288,8 +289,6 @@ template <bool kSigned, bool kPlain>
       code = select_lanes(below, block.smallest_code, code);
     }
   }
-  // A zero stays 0 in an unsigned state (outside `kept`); a signed one keeps its sign.
-  const LaneMask kept = kSigned ? all_lanes() : lanes_nonzero(magnitude);
   if constexpr (kSigned) code = or_masked(code, shift_right(bits, 24), 0x80u);
   if constexpr (!kPlain) {
     const LaneMask non_finite = lanes_at_least(magnitude, 0x7f800000u);
@@ -298,8 +297,19 @@ template <bool kSigned, bool kPlain>
       CodeLanes inf = lanes_of(Code::kInf);
       if constexpr (kSigned) inf = or_masked(inf, shift_right(bits, 24), 0x80u);
       const CodeLanes special = select_lanes(lanes_equal(magnitude, 0x7f800000u), inf, lanes_of(Code::kNan));
-      return {select_lanes(non_finite, special, code), kept};
+      code = select_lanes(non_finite, special, code);
     }
+  }
+  // A zero stays 0 in an unsigned state; a signed one keeps its sign. On AVX-512 the narrowing
+  // store zeroes the lanes outside `kept`; on AVX2 an andnot with the zero lanes does, one
+  // instruction fewer than a mask of the others.
+  LaneMask kept = all_lanes();
+  if constexpr (!kSigned) {
+#if FUSEDAMP_F16C_LANES == 16
+    kept = lanes_nonzero(magnitude);
+#else
+    code = zero_where_zero(code, magnitude);
+#endif
   }
   return {code, kept};
 }

@@ -71,9 +71,6 @@ using LaneMask = __mmask16;
 [[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_maskz_min_epi32(__mmask16(0xffff), a, b);
 }
-[[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) {
-  return _mm512_maskz_max_epi32(__mmask16(0xffff), a, b);
-}
 // The lanes as unsigned 32-bit integers: their maximum, and the largest lane.
 [[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_maskz_max_epu32(__mmask16(0xffff), a, b);
@@ -193,7 +190,9 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline LaneMask lanes_nonzero(CodeLanes a) {
   return _mm256_xor_si256(_mm256_cmpeq_epi32(a, _mm256_setzero_si256()), lanes_of(0xffffffffu));
 }
-[[gnu::always_inline]] inline bool any_lane(LaneMask m) { return !_mm256_testz_si256(m, m); }
+// Every lane of a mask is all ones or all zeros, so its sign bits tell (vmovmskps is one
+// instruction, vptest two).
+[[gnu::always_inline]] inline bool any_lane(LaneMask m) { return _mm256_movemask_ps(_mm256_castsi256_ps(m)) != 0; }
 [[gnu::always_inline]] inline LaneMask both(LaneMask a, LaneMask b) { return _mm256_and_si256(a, b); }
 [[gnu::always_inline]] inline CodeLanes shift_right(CodeLanes a, int bits) { return _mm256_srli_epi32(a, bits); }
 [[gnu::always_inline]] inline CodeLanes shift_left(CodeLanes a, int bits) { return _mm256_slli_epi32(a, bits); }
@@ -204,7 +203,6 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes sub_lanes(CodeLanes a, CodeLanes b) { return _mm256_sub_epi32(a, b); }
 [[gnu::always_inline]] inline CodeLanes and_lanes(CodeLanes a, CodeLanes b) { return _mm256_and_si256(a, b); }
 [[gnu::always_inline]] inline CodeLanes min_lanes(CodeLanes a, CodeLanes b) { return _mm256_min_epi32(a, b); }
-[[gnu::always_inline]] inline CodeLanes max_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epi32(a, b); }
 [[gnu::always_inline]] inline CodeLanes max_unsigned_lanes(CodeLanes a, CodeLanes b) { return _mm256_max_epu32(a, b); }
 [[gnu::always_inline]] inline uint32_t sum_of_lanes(CodeLanes a) {
   __m128i m = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
@@ -242,13 +240,15 @@ using LaneMask = __m256i;
 [[gnu::always_inline]] inline CodeLanes float_lanes_as_integers(CodeLanes a) {
   return _mm256_cvttps_epi32(_mm256_castsi256_ps(a));
 }
-using ShiftCount = __m128i;
-[[gnu::always_inline]] inline ShiftCount shift_count(uint32_t bits) { return _mm_cvtsi32_si128(int(bits)); }
+// Shifts by a count known at run time only, the same for every lane: by a vector of counts
+// (vpsrlvd is one instruction on Intel's cores since Skylake, a shift by an xmm count two).
+using ShiftCount = __m256i;
+[[gnu::always_inline]] inline ShiftCount shift_count(uint32_t bits) { return lanes_of(bits); }
 [[gnu::always_inline]] inline CodeLanes shift_right_by(CodeLanes a, ShiftCount count) {
-  return _mm256_srl_epi32(a, count);
+  return _mm256_srlv_epi32(a, count);
 }
 [[gnu::always_inline]] inline CodeLanes shift_left_by(CodeLanes a, ShiftCount count) {
-  return _mm256_sll_epi32(a, count);
+  return _mm256_sllv_epi32(a, count);
 }
 [[gnu::always_inline]] inline CodeLanes and_or(CodeLanes a, uint32_t mask, uint32_t bits) {
   return _mm256_or_si256(_mm256_and_si256(a, lanes_of(mask)), lanes_of(bits));
@@ -276,6 +276,10 @@ using ShiftCount = __m128i;
   _mm_storeu_si128(reinterpret_cast<__m128i*>(halves), _mm256_castsi256_si128(packed));
 }
 [[gnu::always_inline]] inline LaneMask all_lanes() { return lanes_of(0xffffffffu); }
+// `codes` where `values` is not 0, else 0.
+[[gnu::always_inline]] inline CodeLanes zero_where_zero(CodeLanes codes, CodeLanes values) {
+  return _mm256_andnot_si256(_mm256_cmpeq_epi32(values, _mm256_setzero_si256()), codes);
+}
 [[gnu::always_inline]] inline void store_kept_code_lanes(uint8_t* out, LaneMask kept, CodeLanes codes) {
   store_code_lanes(out, keep_lanes(kept, codes));
 }
