@@ -274,7 +274,8 @@ template <bool kSigned, bool kPlain>
   const CodeLanes bits = load_bit_lanes(values);
   const CodeLanes magnitude = !kSigned && kPlain ? bits : and_lanes(bits, lanes_of(0x7fffffffu));
   // encode_code's steps; every value compared is below 2^31, so signed compares order the bits.
-  // Without the lower clamp: the code of a lane below the smallest code is replaced below.
+  // Without the lower clamp: the code of a lane below the smallest code is replaced below, and
+  // its real code is still a normal float in every form (no denormal, no microcode assist).
   const CodeLanes relative = mul_float_lanes(magnitude, block.inverse);
   const CodeLanes position = min_lanes(relative, block.top_bits);
   const CodeLanes real_code =
