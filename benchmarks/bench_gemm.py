@@ -4,7 +4,7 @@ JSON.
 
     python -m benchmarks.bench_gemm --json out/bench_gemm.json      # python -m benchmarks' rows
     python -m benchmarks.bench_gemm --sweep --json out/gemm_sweep.json
-    python -m benchmarks.bench_gemm --sweep --cases k --backends wgmma --dtypes bf16 --dry-run
+    python -m benchmarks.bench_gemm --sweep --cases k --backends wgmma_pingpong --dtypes bf16 --dry-run
 
 Every time is the median over repeats of one batch of back-to-back calls (sized to about 20 ms),
 divided by the calls: the GPU queue stays full, so the gaps between launches are not what is
@@ -12,6 +12,8 @@ measured as long as the host enqueues a call faster than the GPU runs it. `--tim
 the same batch in a CUDA graph and replays it (no host work at all between the kernels); the sweep
 records both. The sweep also fits time = a + b * K per output tile over the K sweep (the fixed cost
 per tile, e.g. the epilogue, against the main loop's cost per unit of K) for each implementation.
+The wgmma kernel's two schedules (cooperative 128 x 256 tiles, ping-pong 128 x 128 tiles) are timed
+forced, beside `wgmma`'s per-shape choice of them: the columns that set that choice.
 """
 
 from __future__ import annotations
@@ -38,8 +40,12 @@ CASE_GROUPS = ("square", "mlp", "k")
 EPILOGUES = ("none", "bias", "bias_gelu")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TIMINGS = ("stream", "graph")
-BACKENDS = ("mma_sync", "wgmma")
-WGMMA_TILE = (128, 256)  # (BLK_M, BLK_N) of the wgmma kernel, for the per-tile fit
+# wgmma picks its schedule per shape; the forced schedules are timed beside it to move that choice.
+BACKENDS = ("mma_sync", "wgmma_cooperative", "wgmma_pingpong", "wgmma")
+# (BLK_M, BLK_N) of an implementation's output tile for the per-tile fit (the K sweep's 4096 x 4096
+# is a cooperative wgmma problem); the 128 x 256 tile for the others, to compare like with like.
+FIT_TILE = {"wgmma_pingpong": (128, 128)}
+DEFAULT_FIT_TILE = (128, 256)
 BATCH_S = 0.02  # the length of one timed batch of back-to-back calls
 REPEATS = 5
 
@@ -117,8 +123,10 @@ def tflops(m: int, n: int, k: int, s: float) -> float:
 
 
 def kernel_backends() -> list[str]:
+    """The backends this GPU runs, its preferred one last (runner_rows calls it "fusedamp")."""
     major, minor = torch.cuda.get_device_capability()
-    return (["mma_sync"] if major >= 8 else []) + (["wgmma"] if (major, minor) == (9, 0) else [])
+    wgmma = ["wgmma_cooperative", "wgmma_pingpong", "wgmma"]
+    return (["mma_sync"] if major >= 8 else []) + (wgmma if (major, minor) == (9, 0) else [])
 
 
 def calls_for(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
@@ -140,7 +148,7 @@ class Measurement:
     k: int
     dtype: str
     epilogue: str
-    impl: str  # torch, or the fusedamp backend (mma_sync, wgmma)
+    impl: str  # torch, or the fusedamp backend (one of BACKENDS)
     timing: str
     seconds: float | None  # None: this timing failed (the error is kept)
     tflops: float | None
@@ -175,7 +183,7 @@ def measure(case: Case, dtype: str, epilogues: list[str], backends: list[str],
 
 
 def fit_per_tile(measurements: list[Measurement]) -> list[dict[str, object]]:
-    """Least-squares time = a + b * K per wgmma-sized output tile over the K sweep, for each
+    """Least-squares time = a + b * K per output tile (FIT_TILE) over the K sweep, for each
     (dtype, epilogue, impl, timing): a is the fixed cost of a tile, b its cost per unit of K."""
     groups: dict[tuple[str, str, str, str], list[Measurement]] = {}
     for r in measurements:
@@ -185,7 +193,8 @@ def fit_per_tile(measurements: list[Measurement]) -> list[dict[str, object]]:
     for (dtype, epilogue, impl, timing), rows in groups.items():
         if len(rows) < 2:
             continue
-        tiles = math.ceil(K_SWEEP_MN / WGMMA_TILE[0]) * math.ceil(K_SWEEP_MN / WGMMA_TILE[1])
+        block_m, block_n = FIT_TILE.get(impl, DEFAULT_FIT_TILE)
+        tiles = math.ceil(K_SWEEP_MN / block_m) * math.ceil(K_SWEEP_MN / block_n)
         ks = [r.k for r in rows]
         ts = [r.seconds / tiles for r in rows]
         mean_k, mean_t = sum(ks) / len(ks), sum(ts) / len(ts)

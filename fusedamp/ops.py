@@ -339,7 +339,8 @@ def gemm_with_preactivation(
 
 
 def gemm_backend() -> str:
-    """The code CUDA gemms run on: ``reference``, ``auto``, ``mma_sync`` or ``wgmma``."""
+    """The code CUDA gemms run on: ``reference``, ``auto``, ``mma_sync``, ``wgmma``,
+    ``wgmma_cooperative`` or ``wgmma_pingpong``."""
     return _C.gemm_backend()
 
 
@@ -348,9 +349,11 @@ def set_gemm_backend(name: str) -> str:
 
     ``reference`` (default: on an H200 both kernel families ran slower than cuBLAS) upcasts and
     uses ATen; ``auto`` runs wgmma on sm_90 and mma.sync on other sm_80+ GPUs; ``mma_sync`` and
-    ``wgmma`` force a kernel family. Operands a kernel cannot take (a leading dimension that is
-    not a multiple of 8, a misaligned pointer, K == 0; for wgmma also N not a multiple of 8 or a
-    float32 output) fall back to ``reference`` (``auto``: wgmma falls back to mma.sync first).
+    ``wgmma`` force a kernel family (wgmma choosing its schedule per shape), ``wgmma_cooperative``
+    and ``wgmma_pingpong`` force wgmma with one schedule. Operands a kernel cannot take (a leading
+    dimension that is not a multiple of 8, a misaligned pointer, K == 0; for wgmma also N not a
+    multiple of 8 or a float32 output) fall back to ``reference`` (``auto``: wgmma falls back to
+    mma.sync first).
     """
     return _C.set_gemm_backend(name)
 

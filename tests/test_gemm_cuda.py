@@ -25,7 +25,9 @@ def backends() -> list[str]:
         return []
     major, minor = torch.cuda.get_device_capability()
     names = ["reference"] + (["mma_sync", "auto"] if major >= 8 else [])
-    return names + (["wgmma"] if (major, minor) == (9, 0) else [])
+    # wgmma picks its schedule by shape (small outputs ping-pong); the forced ping-pong runs the
+    # large ones too.
+    return names + (["wgmma", "wgmma_pingpong"] if (major, minor) == (9, 0) else [])
 
 
 @pytest.fixture(params=backends())
@@ -129,14 +131,16 @@ def test_cpu_and_cuda_agree(backend):
 # --- each kernel forced, against float64 with an error bound from K and the dtypes ---------------
 
 
-@pytest.fixture(params=["mma_sync", "wgmma"])
+@pytest.fixture(params=["mma_sync", "wgmma_cooperative", "wgmma_pingpong"])
 def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The backend forced to one kernel family, where the GPU and this build can run it."""
+    """The backend forced to one kernel family (and wgmma schedule), where the GPU and this build
+    can run it."""
     name = request.param
+    family = name.split("_")[0] if name.startswith("wgmma") else name
     capability = torch.cuda.get_device_capability()
-    if name not in fusedamp.build_info()["gemm_kernels"]:
-        pytest.skip(f"this build has no {name} code")
-    if capability < (8, 0) or (name == "wgmma" and capability != (9, 0)):
+    if family not in fusedamp.build_info()["gemm_kernels"]:
+        pytest.skip(f"this build has no {family} code")
+    if capability < (8, 0) or (family == "wgmma" and capability != (9, 0)):
         pytest.skip(f"the {name} kernel does not run on sm_{capability[0]}{capability[1]}")
     previous = _C.set_gemm_backend(name)
     yield name

@@ -26,6 +26,10 @@ T4 = (75, False, False)
 RTX3090_TURING_PTX = (86, False, False)
 
 
+# The wgmma backends: the schedule chosen per shape, or one forced (what the benchmark compares).
+WGMMA_BACKENDS = ["wgmma", "wgmma_cooperative", "wgmma_pingpong"]
+
+
 def choose(backend: str, device: tuple[int, bool, bool], fits: bool = True, wgmma_fits: bool = True):
     cc, mma_sync_code, wgmma_code = device
     return _C.testing.gemm_choose_kernel(backend, cc, mma_sync_code, wgmma_code, fits, wgmma_fits)
@@ -59,14 +63,16 @@ def test_auto_warns_about_missing_wgmma_code_only_when_wgmma_would_run() -> None
 def test_problems_the_kernels_cannot_take_use_the_reference() -> None:
     for backend, device in itertools.product(["auto", "mma_sync"], [H100_FULL_BUILD, A100, B200_WITH_PTX]):
         assert choose(backend, device, fits=False) == ("reference", "")
-    assert choose("wgmma", H100_FULL_BUILD, fits=False) == ("reference", "")
-    assert choose("wgmma", H100_FULL_BUILD, wgmma_fits=False) == ("reference", "")
+    for backend in WGMMA_BACKENDS:
+        assert choose(backend, H100_FULL_BUILD, fits=False) == ("reference", "")
+        assert choose(backend, H100_FULL_BUILD, wgmma_fits=False) == ("reference", "")
 
 
 def test_forced_kernels_run_where_their_code_runs() -> None:
     assert choose("mma_sync", H100_FULL_BUILD) == ("mma_sync", "")
     assert choose("mma_sync", B200_WITH_PTX) == ("mma_sync", "")
-    assert choose("wgmma", H100_FULL_BUILD) == ("wgmma", "")
+    for backend in WGMMA_BACKENDS:
+        assert choose(backend, H100_FULL_BUILD) == ("wgmma", "")
 
 
 @pytest.mark.parametrize("device", [H100_8_0_BUILD, B200_OLD_BUILD])
@@ -92,9 +98,11 @@ def test_auto_never_picks_a_kernel_below_ampere() -> None:
 
 
 @pytest.mark.parametrize("device", [H100_WITHOUT_9_0A, H100_8_0_BUILD, A100, B200_WITH_PTX, T4])
-def test_forced_wgmma_without_its_code_is_an_error(device) -> None:
-    with pytest.raises(RuntimeError, match="wgmma backend needs an sm_90 GPU and a build for arch 9.0a"):
-        choose("wgmma", device)
+@pytest.mark.parametrize("backend", WGMMA_BACKENDS)
+def test_forced_wgmma_without_its_code_is_an_error(device, backend) -> None:
+    message = f"the {backend} backend needs an sm_90 GPU and a build for arch 9.0a"
+    with pytest.raises(RuntimeError, match=message):
+        choose(backend, device)
 
 
 def test_reference_backend_never_asks_the_device() -> None:
@@ -103,5 +111,5 @@ def test_reference_backend_never_asks_the_device() -> None:
 
 
 def test_unknown_backend_is_a_value_error() -> None:
-    with pytest.raises(ValueError, match="unknown gemm backend 'cublas'"):
+    with pytest.raises(ValueError, match="unknown gemm backend 'cublas'.*wgmma_pingpong"):
         choose("cublas", A100)

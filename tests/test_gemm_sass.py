@@ -1,7 +1,8 @@
 """What the GEMM kernels compiled to, checked without a GPU: cuobjdump -sass on the built
 extension must show HMMA.16816.F32 (+ ldmatrix, cp.async) in the sm_80 code of the mma.sync kernel,
 an empty body in its sm_75 code, and HGMMA (+ TMA, setmaxnreg) in the sm_90a code of the wgmma
-kernel; and each epilogue instance (bias or not, activation) must hold its own code and no more,
+kernel, of each schedule's shape, with one wgmma group in flight and the ping-pong turn barriers;
+and each epilogue instance (bias or not, activation) must hold its own code and no more,
 within a size bound, without local memory (tools/gemm_sass.py measures them).
 
 FUSEDAMP_GEMM_SASS_FILES (paths joined by os.pathsep) checks object files instead of the built
@@ -20,7 +21,15 @@ import torch
 
 import fusedamp
 from fusedamp import _C
-from tools.gemm_sass import ACTIVATIONS, Instance, file_sass, find_tool, measure, sass_by_arch_and_kernel
+from tools.gemm_sass import (
+    ACTIVATIONS,
+    SCHEDULES,
+    Instance,
+    file_sass,
+    find_tool,
+    measure,
+    sass_by_arch_and_kernel,
+)
 
 FILES = [f for f in os.environ.get("FUSEDAMP_GEMM_SASS_FILES", "").split(os.pathsep) if f]
 GEMM_CUDA_BUILT = _C.cuda_compiled and torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -103,13 +112,29 @@ def test_mma_sync_kernels_are_empty_below_sm80():
         assert "EXIT" in code, name
 
 
+# The wgmma shape of each schedule (template argument Sm90Schedule: 0 cooperative, 1 ping-pong).
+HGMMA_SHAPE = {"0": "64x256x16", "1": "64x128x16"}
+
+
 def test_wgmma_kernels_use_hgmma_tma_and_setmaxnreg():
     for name, code in kernels("sm_90a", "gemm_sm90_kernel").items():
-        assert re.search(r"HGMMA\.64x256x16\.F32", code), name
+        shape = HGMMA_SHAPE[re.search(r"Sm90ScheduleE(\d)E", name).group(1)]
+        assert re.search(rf"HGMMA\.{shape}\.F32", code), name
+        # One k tile of wgmmas stays in flight while the next is issued.
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in code, name
         assert "UTMALDG" in code, name  # TMA loads
         assert "UTMASTG" in code, name  # TMA stores (epilogue)
         assert "USETMAXREG" in code, name
         assert "LDL" not in code and "STL" not in code, f"{name} uses local memory"
+
+
+def test_pingpong_consumers_take_turns():
+    # A ping-pong consumer waits for its turn (bar.sync on 256 threads: its own warpgroup and the
+    # other consumer's arrival) and gives the other its turn (bar.arrive) after its main loop.
+    for name, code in kernels("sm_90a", "gemm_sm90_kernel").items():
+        pingpong = "Sm90ScheduleE1E" in name
+        assert (re.search(r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x100", code) is not None) == pingpong, name
+        assert (re.search(r"BAR\.ARV R\d+, 0x100", code) is not None) == pingpong, name
 
 
 def test_wgmma_transposes_follow_the_layouts():
@@ -127,17 +152,21 @@ FAMILIES = [("sm_80", "gemm_sm80_kernel"), ("sm_90a", "gemm_sm90_kernel"), ("sm_
 @pytest.mark.parametrize("arch,family", FAMILIES)
 def test_every_epilogue_has_its_own_instance(arch, family):
     found = family_instances(arch, family)
+    schedules = {"gemm_sm90_kernel": SCHEDULES, "gemm_sm80_kernel": ("",)}[family]
     for dtype in {i.dtype for i in found}:
-        combos = {(i.a_k_major, i.b_k_major, i.bias, i.activation) for i in found if i.dtype == dtype}
-        assert combos == set(itertools.product([False, True], [False, True], [False, True], ACTIVATIONS))
+        combos = {(i.schedule, i.a_k_major, i.b_k_major, i.bias, i.activation)
+                  for i in found if i.dtype == dtype}
+        assert combos == set(itertools.product(schedules, [False, True], [False, True], [False, True],
+                                               ACTIVATIONS))
 
 
 @pytest.mark.parametrize("arch,family", FAMILIES)
 def test_epilogues_hold_only_their_own_bias_and_activation_code(arch, family):
     found = family_instances(arch, family)
-    plain = {(i.dtype, i.a_k_major, i.b_k_major): i for i in found if not i.bias and i.activation == "none"}
+    plain = {(i.schedule, i.dtype, i.a_k_major, i.b_k_major): i
+             for i in found if not i.bias and i.activation == "none"}
     for i in found:
-        base = plain[i.dtype, i.a_k_major, i.b_k_major]
+        base = plain[i.schedule, i.dtype, i.a_k_major, i.b_k_major]
         assert i.counts["LDL"] == 0 and i.counts["STL"] == 0, f"{i.name} uses local memory"
         assert i.epilogue <= EPILOGUE_BOUND[family, i.activation], (i.name, i.epilogue)
         # Bias reads (LDG: the kernels read their operands with TMA or cp.async) only with a bias.

@@ -5,6 +5,7 @@ feeds mma exactly the fragments it expects, and every output and k element is co
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -14,7 +15,10 @@ import torch.nn.functional as F
 from fusedamp import _C
 
 SM80 = _C.testing.gemm_tiles()["sm80"]
-SM90 = _C.testing.gemm_tiles()["sm90"]
+SM90_TILES = {
+    "cooperative": _C.testing.gemm_tiles()["sm90"],
+    "pingpong": _C.testing.gemm_tiles()["sm90_pingpong"],
+}
 ODD_SHAPES = [(1, 1, 1), (7, 9, 13), (129, 65, 63), (257, 383, 100), (1000, 129, 4097)]
 
 
@@ -151,18 +155,137 @@ def test_sm80_outputs_are_written_once(m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", ODD_SHAPES)
-def test_sm90_outputs_are_written_once(m, n, k):
-    block_m, block_n, _, _ = SM90
-    slice_coords = _C.testing.gemm_wgmma_accumulators()
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_sm90_outputs_are_written_once(m, n, k, schedule):
+    block_m, block_n, _, _ = SM90_TILES[schedule]
+    ring = _C.testing.gemm_sm90_ring(schedule)
+    slice_coords = _C.testing.gemm_wgmma_accumulators(block_n)
     assert sorted(slice_coords) == [(r, c) for r in range(64) for c in range(block_n)]
     tiles = _C.testing.gemm_tile_schedule(math.ceil(m / block_m), math.ceil(n / block_n), 8)
+    # Which consumers compute a tile, and the first row of each one's slices in it.
+    rows_per_consumer = 64 * ring["slices"]
+    consumer_rows = [0] if schedule == "pingpong" else range(0, block_m, rows_per_consumer)
+    assert len(consumer_rows) * rows_per_consumer == block_m
     covered = torch.zeros(m, n, dtype=torch.int32)
     for tm, tn in tiles:
-        for consumer in range(block_m // 64):
-            # TMA stores clip the box to the matrix; in-bounds parts are written once.
-            r0, c0 = tm * block_m + consumer * 64, tn * block_n
-            covered[r0 : r0 + 64, c0 : c0 + block_n] += 1
+        for first_row in consumer_rows:
+            for piece in range(ring["slices"]):
+                # TMA stores clip the box to the matrix; in-bounds parts are written once.
+                r0, c0 = tm * block_m + first_row + piece * 64, tn * block_n
+                covered[r0 : r0 + 64, c0 : c0 + block_n] += 1
     assert torch.equal(covered, torch.ones(m, n, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+def test_sm90_smem_fits_an_sm(schedule):
+    ring = _C.testing.gemm_sm90_ring(schedule)
+    block_m, block_n, block_k, _ = SM90_TILES[schedule]
+    stage = (block_m + block_n) * block_k * 2
+    assert ring["smem_bytes"] >= 1023 + ring["stages"] * stage + 2 * 64 * 128
+    static = 2 * ring["stages"] * 8 + 2 * block_n * 4  # mbarriers, the consumers' bias rows
+    assert ring["smem_bytes"] + static <= 227 * 1024  # the opt-in maximum of sm_90
+
+
+def run_sm90_ring(schedule: str, tiles: int, block: int, grid: int, k_tiles: int, seed: int,
+                  turns: bool = True) -> dict[int, list[int]]:
+    """One CTA of the sm90 kernel as the kernel's loops run it, with the stage ring's mbarriers
+    (parity waits), the wgmma groups (one k tile in flight) and the ping-pong turn barriers,
+    interleaved at random. Fails on a wait that passes on a stale phase (a consumer reading a stage
+    before its load, or the producer overwriting one still read) and on a deadlock. Returns the
+    walk positions each consumer computed."""
+    ring = _C.testing.gemm_sm90_ring(schedule)
+    stages, readers = ring["stages"], ring["stage_readers"]
+    positions = [j for j in range(tiles) if block + j * grid < tiles]
+    full = [0] * stages  # completed phases (finished loads) of each stage's full barrier
+    empty = [0] * stages  # completed phases of each stage's empty barrier
+    empty_arrivals = [0] * stages
+    turn_arrivals, turn_syncs = [0, 0], [0, 0]
+    in_flight: list[int] = []  # loads issued, not finished
+    computed: dict[int, list[int]] = {0: [], 1: []}
+
+    def release(iteration: int) -> None:
+        s = iteration % stages
+        empty_arrivals[s] += 1
+        if empty_arrivals[s] == readers:
+            empty_arrivals[s] = 0
+            empty[s] += 1
+
+    def producer():
+        for iteration in range(len(positions) * k_tiles):
+            s, parity = iteration % stages, (iteration // stages) & 1
+            yield lambda s=s, parity=parity: empty[s] % 2 != parity ^ 1  # try_wait.parity
+            assert empty[s] == iteration // stages, f"load {iteration} overwrote a stage in use"
+            in_flight.append(iteration)
+
+    def consumer(c: int):
+        first, step = ring["walks"][c]
+        for j in positions[first::step]:
+            if turns and schedule == "pingpong" and j > 0:
+                yield lambda: turn_arrivals[c] > turn_syncs[c]
+                turn_syncs[c] += 1
+            for kt in range(k_tiles):
+                iteration = j * k_tiles + kt
+                s, parity = iteration % stages, (iteration // stages) & 1
+                yield lambda s=s, parity=parity: full[s] % 2 != parity
+                assert full[s] == iteration // stages + 1, f"consumer {c} read load {iteration} stale"
+                if kt > 0:
+                    release(iteration - 1)  # wgmma wait_group 1: the previous k tile is done
+            release(j * k_tiles + k_tiles - 1)
+            if turns and schedule == "pingpong" and j + 1 in positions:
+                turn_arrivals[1 - c] += 1
+            computed[c].append(j)
+
+    rng = random.Random(seed)
+    actors = [producer(), consumer(0), consumer(1)]
+    waiting = [next(actor, None) for actor in actors]
+    while any(w is not None for w in waiting) or in_flight:
+        ready = [i for i, w in enumerate(waiting) if w is not None and w()]
+        choices = ready + (["load"] if in_flight else [])
+        assert choices, "deadlock"
+        pick = rng.choice(choices)
+        if pick == "load":
+            iteration = in_flight.pop(rng.randrange(len(in_flight)))
+            full[iteration % stages] += 1
+        else:
+            waiting[pick] = next(actors[pick], None)
+    return computed
+
+
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("tiles,block,grid,k_tiles", [(1, 0, 1, 1), (2, 0, 2, 3), (7, 1, 3, 1),
+                                                       (9, 0, 2, 2), (40, 5, 6, 4), (25, 0, 1, 13)])
+def test_sm90_stage_ring_never_reads_a_stale_stage(schedule, tiles, block, grid, k_tiles):
+    positions = [j for j in range(tiles) if block + j * grid < tiles]
+    for seed in range(30):
+        computed = run_sm90_ring(schedule, tiles, block, grid, k_tiles, seed)
+        if schedule == "cooperative":  # both consumers compute every tile, 64 rows each
+            assert computed[0] == computed[1] == positions
+        else:  # the consumers take turns
+            assert sorted(computed[0] + computed[1]) == positions
+            assert computed[0] == positions[0::2] and computed[1] == positions[1::2]
+
+
+def test_sm90_pingpong_needs_its_turns():
+    # Without the turn barriers a consumer can wait on a stage two loads early, and the parity wait
+    # passes on the older phase: the simulation above catches it.
+    with pytest.raises(AssertionError, match="stale"):
+        for seed in range(200):
+            run_sm90_ring("pingpong", 25, 0, 1, 13, seed, turns=False)
+
+
+def test_sm90_schedule_choice():
+    choose = _C.testing.gemm_sm90_schedule
+    # Cooperative tiles are 128 x 256: 1024 x 1024 makes 32 of them, too few for 132 SMs.
+    assert choose("wgmma", 1024, 1024, 132) == "pingpong"
+    assert choose("wgmma", 2048, 2048, 132) == "pingpong"  # 128 tiles
+    assert choose("wgmma", 4096, 4096, 132) == "cooperative"  # 512 tiles
+    assert choose("wgmma", 128 * 12, 256 * 11, 132) == "cooperative"  # exactly one per SM
+    assert choose("wgmma", 128 * 12, 256 * 11 - 1, 131) == "cooperative"
+    assert choose("wgmma", 128 * 12, 256 * 11, 133) == "pingpong"
+    assert choose("auto", 1, 8, 132) == "pingpong"
+    for m, n in [(1024, 1024), (8192, 8192), (16384, 4096)]:
+        assert choose("wgmma_cooperative", m, n, 132) == "cooperative"
+        assert choose("wgmma_pingpong", m, n, 132) == "pingpong"
 
 
 @pytest.mark.parametrize("m,n,k", ODD_SHAPES)

@@ -154,13 +154,13 @@ def test_gpu_check_runs_the_gemm_sweep_only_when_asked(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr + log
     stages = json.loads((out / "summary.json").read_text())["stages"]
     assert list(stages) == ["build", "gemm_sweep"] and stages["gemm_sweep"]["status"] == "passed"
-    assert "== gemm_sweep (at most 200 s)" in log
-    # Squares, MLP up/down and the K sweep; bf16 only; two epilogues; torch and both kernels; both
-    # timings.
+    assert "== gemm_sweep (at most 300 s)" in log
+    # Squares, MLP up/down and the K sweep; bf16 only; two epilogues; torch, mma.sync and wgmma
+    # (each schedule forced, and chosen per shape); both timings.
     assert "would time square 1024 (M=1024 N=1024 K=1024) for bf16 x none,bias_gelu" in log
     assert "would time mlp down t=16384 (M=16384 N=4096 K=16384)" in log
     assert "would time k sweep 4096x4096 k=16384" in log
-    assert "dry run, 204 timings planned" in log
+    assert "dry run, 340 timings planned" in log
 
 
 @needs_bash

@@ -24,9 +24,12 @@ from pathlib import Path
 # Instruction classes counted per instance (opcode prefixes).
 COUNTED = ("MUFU", "LDG", "LDS", "STS", "STG", "LDL", "STL", "HMMA", "HGMMA", "UTMASTG", "UTMALDG")
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh")  # the values of fusedamp::gemm::Activation
-# Template arguments of a kernel instance: <T, kAKMajor, kBKMajor, kBias, Activation kAct>.
+SCHEDULES = ("cooperative", "pingpong")  # the values of fusedamp::gemm::Sm90Schedule
+# Template arguments of a kernel instance: [Sm90Schedule (wgmma only),] T, kAKMajor, kBKMajor,
+# kBias, Activation kAct.
 INSTANCE = re.compile(
-    r"(gemm_sm[89]0_kernel)I(\d+__\w+?)Lb([01])ELb([01])ELb([01])ELNS0_10ActivationE(\d)EE"
+    r"(gemm_sm[89]0_kernel)I(?:LNS0_12Sm90ScheduleE(\d)E)?(\d+__\w+?)Lb([01])ELb([01])ELb([01])E"
+    r"LNS0_10ActivationE(\d)EE"
 )
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -81,6 +84,7 @@ class Instance:
 
     arch: str
     family: str  # gemm_sm80_kernel (mma.sync) or gemm_sm90_kernel (wgmma)
+    schedule: str  # the wgmma schedule (cooperative, pingpong); "" for mma.sync
     dtype: str  # the input type's mangled name, e.g. 6__half, 13__nv_bfloat16
     a_k_major: bool
     b_k_major: bool
@@ -93,7 +97,8 @@ class Instance:
     @property
     def name(self) -> str:
         layouts = ("k" if self.a_k_major else "m") + ("k" if self.b_k_major else "n")
-        return f"{self.family} {self.dtype} {layouts} bias={int(self.bias)} {self.activation}"
+        family = f"{self.family} {self.schedule}" if self.schedule else self.family
+        return f"{family} {self.dtype} {layouts} bias={int(self.bias)} {self.activation}"
 
 
 def epilogue_length(ops: list[str]) -> int:
@@ -112,11 +117,12 @@ def measure(kernels: dict[tuple[str, str], str]) -> list[Instance]:
         m = INSTANCE.search(name)
         if m is None:
             continue
-        family, dtype, a_k, b_k, bias, act = m.groups()
+        family, schedule, dtype, a_k, b_k, bias, act = m.groups()
         ops = opcodes(sass)
         counts = {c: sum(op.split(".")[0] == c for op in ops) for c in COUNTED}
-        found.append(Instance(arch, family, dtype, a_k == "1", b_k == "1", bias == "1",
-                              ACTIVATIONS[int(act)], len(ops), epilogue_length(ops), counts))
+        found.append(Instance(arch, family, SCHEDULES[int(schedule)] if schedule else "", dtype,
+                              a_k == "1", b_k == "1", bias == "1", ACTIVATIONS[int(act)], len(ops),
+                              epilogue_length(ops), counts))
     return found
 
 
@@ -132,10 +138,10 @@ def main() -> int:
 
         files = [_C.__file__]
     instances = measure(sass_by_arch_and_kernel(files))
-    print(f"{'arch':8} {'instance':58} {'SASS':>7} {'epilogue':>8}  " + " ".join(
+    print(f"{'arch':8} {'instance':70} {'SASS':>7} {'epilogue':>8}  " + " ".join(
         f"{c:>7}" for c in COUNTED))
     for i in instances:
-        print(f"{i.arch:8} {i.name:58} {i.instructions:7d} {i.epilogue:8d}  " + " ".join(
+        print(f"{i.arch:8} {i.name:70} {i.instructions:7d} {i.epilogue:8d}  " + " ".join(
             f"{i.counts[c]:7d}" for c in COUNTED))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

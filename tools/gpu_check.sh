@@ -166,18 +166,18 @@ fi
 
 status=0
 # The GEMM sweep (benchmarks/bench_gemm.py --sweep: squares, MLP shapes and a K sweep, every kernel
-# and epilogue, back-to-back and CUDA-graph timings, the per-tile fit; estimated at 1.5 to 3 minutes
-# on an H200, not timed yet) runs only when GPU_CHECK_STAGES names it, first: it would take most of a
+# and wgmma schedule and epilogue, back-to-back and CUDA-graph timings, the per-tile fit; estimated
+# at 2.5 to 5 minutes on an H200, not timed yet) runs only when GPU_CHECK_STAGES names it, first: it would take most of a
 # full run's budget. GPU_CHECK_SWEEP_ARGS passes options (e.g. "--cases k --backends wgmma").
 if [[ ",$STAGES_WANTED," == *",gemm_sweep,"* ]]; then
   read -r -a sweep <<< "--sweep ${GPU_CHECK_SWEEP_ARGS:-}"
   if (( DRY_RUN )); then sweep+=(--dry-run); fi
-  stage gemm_sweep "${GPU_CHECK_SWEEP_S:-200}" "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks.bench_gemm \
+  stage gemm_sweep "${GPU_CHECK_SWEEP_S:-300}" "$OUT/benchmarks.log" "$PYTHON" -u -m benchmarks.bench_gemm \
     "${sweep[@]}" --json "$OUT/gemm_sweep.json" || status=1
 fi
 stage cuda_tests 240 "$OUT/tests.log" "${PYTEST[@]}" ${WORKERS[@]+"${WORKERS[@]}"} \
   --junitxml="$OUT/cuda_tests.xml" --ignore=tests/test_gemm_cuda.py "${TESTS[@]}" || status=1
-stage gemm_tests 60 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
+stage gemm_tests 90 "$OUT/tests.log" "${PYTEST[@]}" --junitxml="$OUT/gemm_tests.xml" \
   tests/test_gemm_cuda.py || status=1
 
 # memcheck without the caching allocator (every tensor its own allocation, so it sees bounds);

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <iterator>
 
 #include "common/registry.h"
 
@@ -17,7 +18,8 @@ namespace {
 
 std::atomic<Backend> g_backend{Backend::kReference};
 
-constexpr const char* kBackendNames[] = {"reference", "auto", "mma_sync", "wgmma"};
+constexpr const char* kBackendNames[] = {
+    "reference", "auto", "mma_sync", "wgmma", "wgmma_cooperative", "wgmma_pingpong"};
 
 Activation parse_activation(const std::string& name) {
   if (name == "none") return Activation::kNone;
@@ -95,11 +97,12 @@ Backend backend() { return g_backend.load(); }
 std::string backend_name() { return kBackendNames[int32_t(backend())]; }
 
 Backend parse_backend(const std::string& name) {
-  for (int32_t i = 0; i < 4; ++i) {
+  for (int32_t i = 0; i < int32_t(std::size(kBackendNames)); ++i) {
     if (name == kBackendNames[i]) return Backend(i);
   }
   TORCH_CHECK_VALUE(false, "fusedamp: unknown gemm backend '", name,
-                    "'; choose reference, auto, mma_sync or wgmma");
+                    "'; choose reference, auto, mma_sync, wgmma, wgmma_cooperative or ",
+                    "wgmma_pingpong");
 }
 
 std::string set_backend(const std::string& name) {
@@ -109,9 +112,10 @@ std::string set_backend(const std::string& name) {
 
 KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in) {
   if (backend == Backend::kReference) return {Kernel::kReference, MissingCode::kNone};
-  TORCH_CHECK(backend != Backend::kWgmma || in.wgmma_code, "fusedamp.gemm: the wgmma backend ",
-              "needs an sm_90 GPU and a build for arch 9.0a (fusedamp.build_info()['gemm_kernels'] ",
-              "lists this build's kernels); this is sm_", in.cc, ". Use 'auto' or 'mma_sync'.");
+  TORCH_CHECK(!forces_wgmma(backend) || in.wgmma_code, "fusedamp.gemm: the ",
+              kBackendNames[int32_t(backend)], " backend needs an sm_90 GPU and a build for arch ",
+              "9.0a (fusedamp.build_info()['gemm_kernels'] lists this build's kernels); this is ",
+              "sm_", in.cc, ". Use 'auto' or 'mma_sync'.");
   TORCH_CHECK(backend != Backend::kMmaSync || in.cc >= 80, "fusedamp.gemm: the mma_sync backend ",
               "needs an sm_80 or newer GPU; this is sm_", in.cc, ". Use 'reference'.");
   TORCH_CHECK(backend != Backend::kMmaSync || in.mma_sync_code, "fusedamp.gemm: this build has ",
@@ -119,7 +123,7 @@ KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in) {
               "['cuda_archs'] lists the archs it was built for). Rebuild with TORCH_CUDA_ARCH_LIST ",
               "naming this GPU's arch, or use 'auto' or 'reference'.");
   if (!in.kernel_fits) return {Kernel::kReference, MissingCode::kNone};
-  if (backend == Backend::kWgmma) {
+  if (forces_wgmma(backend)) {
     return {in.wgmma_fits ? Kernel::kWgmma : Kernel::kReference, MissingCode::kNone};
   }
   if (backend == Backend::kMmaSync) return {Kernel::kMmaSync, MissingCode::kNone};
@@ -128,6 +132,12 @@ KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in) {
   if (!in.mma_sync_code) return {Kernel::kReference, MissingCode::kMmaSync};
   const bool wgmma_missing = in.cc == 90 && !in.wgmma_code && in.wgmma_fits;
   return {Kernel::kMmaSync, wgmma_missing ? MissingCode::kWgmma : MissingCode::kNone};
+}
+
+Sm90Schedule sm90_schedule(Backend backend, int64_t m, int64_t n, int32_t sm_count) {
+  if (backend == Backend::kWgmmaCooperative) return Sm90Schedule::kCooperative;
+  if (backend == Backend::kWgmmaPingpong) return Sm90Schedule::kPingpong;
+  return choose_sm90_schedule(m, n, sm_count);
 }
 
 namespace {

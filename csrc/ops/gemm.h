@@ -40,12 +40,22 @@ std::tuple<at::Tensor, at::Tensor> gemm_reference(const GemmCall& call);
 
 // Which code computes CUDA gemms. kReference (the default while the kernels trail cuBLAS)
 // always uses gemm_reference; kAuto picks wgmma on sm_90, mma.sync on other sm_80+ GPUs;
-// kMmaSync / kWgmma force one kernel family. Shapes a kernel cannot take use gemm_reference.
-enum class Backend : int32_t { kReference = 0, kAuto = 1, kMmaSync = 2, kWgmma = 3 };
+// kMmaSync / kWgmma force one kernel family, and kWgmma its schedule per shape
+// (choose_sm90_schedule); kWgmmaCooperative / kWgmmaPingpong force wgmma and one schedule (what
+// the benchmark compares). Shapes a kernel cannot take use gemm_reference.
+enum class Backend : int32_t {
+  kReference = 0,
+  kAuto = 1,
+  kMmaSync = 2,
+  kWgmma = 3,
+  kWgmmaCooperative = 4,
+  kWgmmaPingpong = 5,
+};
 
 Backend backend();
 std::string backend_name();
-// The backend called `name` (reference, auto, mma_sync, wgmma); a ValueError for other names.
+// The backend called `name` (reference, auto, mma_sync, wgmma, wgmma_cooperative,
+// wgmma_pingpong); a ValueError for other names.
 Backend parse_backend(const std::string& name);
 // Sets the backend by name; returns the previous name.
 std::string set_backend(const std::string& name);
@@ -76,5 +86,15 @@ struct KernelChoice {
 // device the build has no such code for; a problem the forced kernel cannot take gets the
 // reference.
 KernelChoice choose_kernel(Backend backend, const KernelChoiceInputs& in);
+
+// Whether `backend` runs wgmma only (one of its schedules or the per-shape choice).
+inline bool forces_wgmma(Backend backend) {
+  return backend == Backend::kWgmma || backend == Backend::kWgmmaCooperative ||
+         backend == Backend::kWgmmaPingpong;
+}
+
+// The wgmma schedule of an (m, n) output on `sm_count` SMs: the forced one, else the per-shape
+// choice.
+Sm90Schedule sm90_schedule(Backend backend, int64_t m, int64_t n, int32_t sm_count);
 
 }  // namespace fusedamp::gemm

@@ -115,11 +115,42 @@ using Pair = std::pair<int32_t, int32_t>;
 void def_gemm_tile_hooks(py::module_& m) {
   namespace g = fusedamp::gemm;
   m.def("gemm_tiles", [] {
+    using Cooperative = g::Sm90Tile<g::Sm90Schedule::kCooperative>;
+    using Pingpong = g::Sm90Tile<g::Sm90Schedule::kPingpong>;
     return py::dict(py::arg("sm80") = py::make_tuple(g::Sm80Tile::kBlockM, g::Sm80Tile::kBlockN,
                                                      g::Sm80Tile::kBlockK, g::Sm80Tile::kThreads),
-                    py::arg("sm90") = py::make_tuple(g::Sm90Tile::kBlockM, g::Sm90Tile::kBlockN,
-                                                     g::Sm90Tile::kBlockK, g::Sm90Tile::kThreads));
-  }, "(BLK_M, BLK_N, BLK_K, threads) of each kernel.");
+                    py::arg("sm90") = py::make_tuple(Cooperative::kBlockM, Cooperative::kBlockN,
+                                                     Cooperative::kBlockK, Cooperative::kThreads),
+                    py::arg("sm90_pingpong") = py::make_tuple(Pingpong::kBlockM, Pingpong::kBlockN,
+                                                              Pingpong::kBlockK, Pingpong::kThreads));
+  }, "(BLK_M, BLK_N, BLK_K, threads) of each kernel (sm90: its cooperative and ping-pong tiles).");
+  m.def("gemm_sm90_ring", [](const std::string& schedule) {
+    TORCH_CHECK_VALUE(schedule == "cooperative" || schedule == "pingpong",
+                      "gemm_sm90_ring: schedule must be 'cooperative' or 'pingpong'");
+    const bool cooperative = schedule == "cooperative";
+    const g::Sm90Schedule s = cooperative ? g::Sm90Schedule::kCooperative : g::Sm90Schedule::kPingpong;
+    using Cooperative = g::Sm90Tile<g::Sm90Schedule::kCooperative>;
+    using Pingpong = g::Sm90Tile<g::Sm90Schedule::kPingpong>;
+    std::vector<Pair> walks;
+    for (int32_t c = 0; c < g::Sm90TileCommon::kConsumers; ++c) {
+      const g::Sm90Walk w = g::sm90_consumer_walk(s, c);
+      walks.emplace_back(w.first, w.step);
+    }
+    return py::dict(
+        py::arg("stages") = cooperative ? Cooperative::kStages : Pingpong::kStages,
+        py::arg("stage_readers") = cooperative ? Cooperative::kStageReaders : Pingpong::kStageReaders,
+        py::arg("slices") = cooperative ? Cooperative::kSlices : Pingpong::kSlices,
+        py::arg("smem_bytes") = cooperative ? Cooperative::kSmemBytes : Pingpong::kSmemBytes,
+        py::arg("walks") = walks);
+  }, py::arg("schedule"),
+     "The sm90 stage ring of a schedule: stages, consumers reading each stage, m64 slices per "
+     "consumer, dynamic smem bytes, and each consumer's (first, step) walk position.");
+  m.def("gemm_sm90_schedule", [](const std::string& backend, int64_t m, int64_t n,
+                                 int32_t sm_count) {
+    const g::Sm90Schedule s = g::sm90_schedule(g::parse_backend(backend), m, n, sm_count);
+    return std::string(s == g::Sm90Schedule::kPingpong ? "pingpong" : "cooperative");
+  }, py::arg("backend"), py::arg("m"), py::arg("n"), py::arg("sm_count"),
+     "The wgmma schedule ('cooperative' or 'pingpong') a backend runs an (m, n) output with.");
   m.def("gemm_tile_schedule", [](int32_t tiles_m, int32_t tiles_n, int32_t group) {
     TORCH_CHECK_VALUE(tiles_m > 0 && tiles_n > 0 && group > 0, "tile counts must be positive");
     std::vector<Pair> tiles;
@@ -179,15 +210,16 @@ void def_gemm_tile_hooks(py::module_& m) {
             }
     return coords;
   }, "Block-tile (row, col) of every accumulator of every sm80 thread.");
-  m.def("gemm_wgmma_accumulators", [] {
+  m.def("gemm_wgmma_accumulators", [](int32_t n) {
+    TORCH_CHECK_VALUE(n == 128 || n == 256, "gemm_wgmma_accumulators: n must be 128 or 256");
     std::vector<Pair> coords;
     for (int32_t t = 0; t < 128; ++t)
-      for (int32_t i = 0; i < g::Sm90Tile::kBlockN / 2; ++i) {
+      for (int32_t i = 0; i < n / 2; ++i) {
         const g::Coord c = g::wgmma_accumulator(t, i);
         coords.emplace_back(c.row, c.col);
       }
     return coords;
-  }, "(row, col) in a consumer's 64 x BLK_N slice of every accumulator of every thread.");
+  }, py::arg("n"), "(row, col) in a 64 x n wgmma slice of every accumulator of every thread.");
   m.def("gemm_copy_chunks", [](int32_t threads, int32_t rounds, int32_t chunks_per_row) {
     std::vector<Pair> chunks;
     for (int32_t r = 0; r < rounds; ++r)
@@ -301,9 +333,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_prefetch_blocks", &fusedamp::cpu::set_prefetch_blocks, py::arg("blocks"),
         "Set the CPU steps' prefetch distance in codec blocks (0 to 8); returns the previous.");
   m.def("gemm_backend", &fusedamp::gemm::backend_name,
-        "The CUDA gemm backend: reference, auto, mma_sync or wgmma.");
+        "The CUDA gemm backend: reference, auto, mma_sync, wgmma, wgmma_cooperative or "
+        "wgmma_pingpong.");
   m.def("set_gemm_backend", &fusedamp::gemm::set_backend, py::arg("name"),
-        "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma); returns the previous.");
+        "Choose the CUDA gemm backend (reference, auto, mma_sync, wgmma, wgmma_cooperative, "
+        "wgmma_pingpong); returns the previous.");
   m.def("parallel_for_threads", &fusedamp::cpu::parallel_for_threads,
         "How many threads the CPU ops' at::parallel_for runs on.");
   m.def("cuda_launch_settings", &cuda_launch_settings,

@@ -128,7 +128,8 @@ std::tuple<at::Tensor, at::Tensor> gemm_cuda(const GemmCall& call) {
   const bool fp16 = a.scalar_type() == at::kHalf;
   if (kernel == Kernel::kWgmma) {
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    fp16 ? launch_sm90_fp16(p, sms, stream) : launch_sm90_bf16(p, sms, stream);
+    const Sm90Schedule schedule = sm90_schedule(chosen_backend, m, n, sms);
+    fp16 ? launch_sm90_fp16(p, schedule, sms, stream) : launch_sm90_bf16(p, schedule, sms, stream);
   } else {
     fp16 ? launch_sm80_fp16(p, stream) : launch_sm80_bf16(p, stream);
   }

@@ -66,8 +66,10 @@ void with_kernel_instance(const GemmParams& p, Fn&& fn) {
 // persistent sm90 grid. Both throw a c10::Error on a launch failure.
 void launch_sm80_fp16(const GemmParams& p, cudaStream_t stream);
 void launch_sm80_bf16(const GemmParams& p, cudaStream_t stream);
-void launch_sm90_fp16(const GemmParams& p, int sm_count, cudaStream_t stream);
-void launch_sm90_bf16(const GemmParams& p, int sm_count, cudaStream_t stream);
+void launch_sm90_fp16(const GemmParams& p, Sm90Schedule schedule, int sm_count,
+                      cudaStream_t stream);
+void launch_sm90_bf16(const GemmParams& p, Sm90Schedule schedule, int sm_count,
+                      cudaStream_t stream);
 
 // Whether this build holds mma.sync code the current device runs: SASS for its arch (sm_80 SASS
 // runs on sm_8x, not on sm_90 or later) or PTX the driver compiles for it, made for arch 8.0 or

@@ -1,8 +1,9 @@
 // The sm_90a GEMM kernel: TMA loads into a kStages-deep ring of 128B-swizzled smem stages guarded by
-// mbarriers, one producer warpgroup and two consumer warpgroups running wgmma (m64n256k16), a
-// persistent grid walking the tile schedule, setmaxnreg moving registers to the consumers, and an
-// epilogue that stages 64 x 128-byte boxes in swizzled smem and writes them with TMA stores.
-// Included once per input type (sm90_*.cu); the kernel body exists only in sm_90a code.
+// mbarriers, one producer warpgroup and two consumer warpgroups running wgmma, either together on
+// 128 x 256 tiles or taking turns on 128 x 128 tiles (Sm90Schedule), a persistent grid walking the
+// tile schedule, setmaxnreg moving registers to the consumers, and an epilogue that stages 64 x
+// 128-byte boxes in swizzled smem and writes them with TMA stores. Included once per input type
+// (sm90_*.cu); the kernel body exists only in sm_90a code.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -28,11 +29,12 @@ struct Sm90Params {
 // 128 bytes, one TMA box. MN-major: kMn / 64 boxes, each BLK_K rows of 64 mn (128 bytes).
 template <bool kKMajor, int kMn>
 struct Sm90Operand {
-  static constexpr uint32_t kBytes = kMn * Sm90Tile::kBlockK * 2;  // (kMn, BLK_K) 16-bit
-  static constexpr int kBoxes = kKMajor ? 1 : kMn / Sm90Tile::kBoxMn;
+  using Tile = Sm90TileCommon;
+  static constexpr uint32_t kBytes = kMn * Tile::kBlockK * 2;  // (kMn, BLK_K) 16-bit
+  static constexpr int kBoxes = kKMajor ? 1 : kMn / Tile::kBoxMn;
   static constexpr uint32_t kBoxBytes = kBytes / kBoxes;
-  static_assert(Sm90Tile::kBlockK * 2 == 128, "Sm90Operand: BLK_K must fill one 128-byte row");
-  static_assert(kMn % Sm90Tile::kBoxMn == 0, "Sm90Operand: MN extent must be whole 64-wide boxes");
+  static_assert(Tile::kBlockK * 2 == 128, "Sm90Operand: BLK_K must fill one 128-byte row");
+  static_assert(kMn % Tile::kBoxMn == 0, "Sm90Operand: MN extent must be whole 64-wide boxes");
 
   // Descriptor of the (64 or kMn, 16) slice starting at row `mn0` (a multiple of 64) for k step
   // `kk` (16 elements each). K-major: k steps are 32 bytes along the swizzled row, 8-row groups
@@ -42,7 +44,7 @@ struct Sm90Operand {
     if constexpr (kKMajor) {
       return wgmma_descriptor(tile + mn0 * 128 + kk * 32, 16, 1024);
     } else {
-      return wgmma_descriptor(tile + (mn0 / Sm90Tile::kBoxMn) * kBoxBytes + kk * 16 * 128,
+      return wgmma_descriptor(tile + (mn0 / Tile::kBoxMn) * kBoxBytes + kk * 16 * 128,
                               kBoxBytes, 1024);
     }
   }
@@ -102,31 +104,36 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this warp's threads toward barrier `id` without waiting for it.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most kPending committed wgmma groups of this warpgroup are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Writes one 64 x BLK_N slice of a consumer's results, act(acc + bias) in the input type, through
+// Writes one 64 x kBlockN slice of a consumer's results, act(acc + bias) in the input type, through
 // its 64 x 128-byte staging buffer, one TMA store per 128-byte column chunk. `bias` holds the tile's
-// BLK_N bias columns in fp32 (smem, read only with kBias). The bias and the activation are template
-// parameters: each kernel instance holds its own epilogue and nothing else. Only 16-bit outputs: a
-// second (fp32) variant in the same kernel made ptxas spill.
-template <typename T, bool kBias, Activation kAct>
-__device__ __forceinline__ void store_slice(const CUtensorMap* map,
-                                            const float (&acc)[Sm90Tile::kBlockN / 2],
+// kBlockN bias columns in fp32 (smem, read only with kBias). The bias and the activation are
+// template parameters: each kernel instance holds its own epilogue and nothing else. Only 16-bit
+// outputs: a second (fp32) variant in the same kernel made ptxas spill.
+template <typename T, int kBlockN, bool kBias, Activation kAct>
+__device__ __forceinline__ void store_slice(const CUtensorMap* map, const float (&acc)[kBlockN / 2],
                                             const float* bias, uint32_t staging, int32_t thread,
                                             uint32_t barrier_id, int32_t row0, int32_t col0) {
   constexpr int kCols = 128 / sizeof(T);  // output columns per 128-byte staging row
   constexpr int kPairs = kCols / 4;       // accumulator pairs of a thread in one chunk
-  static_assert(Sm90Tile::kBlockN % kCols == 0, "store_slice: BLK_N must be whole chunks");
+  static_assert(kBlockN % kCols == 0, "store_slice: BLK_N must be whole chunks");
 #pragma unroll
-  for (int chunk = 0; chunk < Sm90Tile::kBlockN / kCols; ++chunk) {
+  for (int chunk = 0; chunk < kBlockN / kCols; ++chunk) {
     // The previous TMA store must have finished reading the staging buffer; the first barrier
     // also publishes the tile's bias to the consumer.
     if (thread == 0) bulk_wait_read_all();
@@ -169,18 +176,19 @@ __device__ __forceinline__ void store_slice(const CUtensorMap* map,
 }
 #endif
 
-// One instance per input type, operand layouts and epilogue (bias or not, activation).
-template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
-__global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
+// One instance per schedule, input type, operand layouts and epilogue (bias or not, activation).
+template <Sm90Schedule kSchedule, typename T, bool kAKMajor, bool kBKMajor, bool kBias,
+          Activation kAct>
+__global__ void __launch_bounds__(Sm90TileCommon::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ Sm90Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tile = Sm90Tile;
+  using Tile = Sm90Tile<kSchedule>;
   using OperandA = Sm90Operand<kAKMajor, Tile::kBlockM>;
   using OperandB = Sm90Operand<kBKMajor, Tile::kBlockN>;
   constexpr uint32_t kStageBytes = OperandA::kBytes + OperandB::kBytes;
   constexpr uint32_t kStagingBytes = Tile::kStoreRows * 128;
   static_assert(kStageBytes % 1024 == 0, "gemm_sm90_kernel: stages must keep 1024-byte alignment");
-  static_assert(Tile::kBlockM == 64 * Tile::kConsumers, "gemm_sm90_kernel: 64 rows per consumer");
+  static_assert(Tile::kConsumerRows % 64 == 0, "gemm_sm90_kernel: whole wgmma m64 slices");
 
   __shared__ __align__(8) uint64_t full[Tile::kStages];   // TMA -> consumers: stage s loaded
   __shared__ __align__(8) uint64_t empty[Tile::kStages];  // consumers -> TMA: stage s free
@@ -197,7 +205,7 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < Tile::kStages; ++s) {
       mbar_init(smem_address(&full[s]), 1);
-      mbar_init(smem_address(&empty[s]), Tile::kConsumers);
+      mbar_init(smem_address(&empty[s]), Tile::kStageReaders);
     }
     // Makes the initialized barriers visible to the async proxy (TMA) as well.
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -205,7 +213,8 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
   __syncthreads();
 
   if (warpgroup == 0) {
-    // Producer: one thread issues every TMA load; the warpgroup gives its registers away.
+    // Producer: one thread issues every TMA load, tile by tile in walk order; the warpgroup gives
+    // its registers away.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       uint32_t iteration = 0;
@@ -249,16 +258,22 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
   const int32_t consumer = warpgroup - 1;
   const int32_t thread = threadIdx.x % 128;
   const uint32_t staging = smem + Tile::kStages * kStageBytes + consumer * kStagingBytes;
+  const uint32_t store_barrier = 1 + consumer;  // 0 is __syncthreads
+  // Ping-pong turns: barrier 3 + c opens consumer c's next main loop (the other consumer arrives
+  // when its own main loop is done).
+  const uint32_t my_turn = 3 + consumer, their_turn = 3 + (1 - consumer);
+  // The consumer's first smem row of A in a stage: the two split a cooperative tile's rows.
+  const int32_t a_row = Tile::kCooperative ? consumer * Tile::kConsumerRows : 0;
   float* bias = nullptr;  // (BLK_N) this consumer's copy of the tile's bias, fp32
   if constexpr (kBias) {
     __shared__ __align__(16) float bias_tiles[Tile::kConsumers][Tile::kBlockN];
     bias = bias_tiles[consumer];
   }
-  float acc[Tile::kBlockN / 2];  // this thread's share of the consumer's (64, BLK_N) tile
-  uint32_t iteration = 0;
-  for (int32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const TileCoord c = tile_of(tile, tiles_m, tiles_n, 8);
-    const int32_t row0 = c.m * Tile::kBlockM + consumer * 64;
+  float acc[Tile::kSlices][Tile::kBlockN / 2];  // this thread's share of its (rows, BLK_N) tile
+  const Sm90Walk walk = sm90_consumer_walk(kSchedule, consumer);
+  for (int32_t j = walk.first; blockIdx.x + j * gridDim.x < tiles; j += walk.step) {
+    const TileCoord c = tile_of(blockIdx.x + j * gridDim.x, tiles_m, tiles_n, 8);
+    const int32_t row0 = c.m * Tile::kBlockM + a_row;
     const int32_t col0 = c.n * Tile::kBlockN;
     // The tile's bias, once per tile: read from global memory before the main loop, which hides
     // the latency, and kept in smem for the epilogue.
@@ -269,6 +284,10 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
         tile_bias[i] = load_bias<T>(p.g, col0 + thread + 128 * i);
       }
     }
+    if constexpr (!Tile::kCooperative) {
+      if (j > 0) named_barrier_sync(my_turn, 256);
+    }
+    uint32_t iteration = uint32_t(j) * uint32_t(k_tiles);
     for (int32_t kt = 0; kt < k_tiles; ++kt, ++iteration) {
       const uint32_t s = iteration % Tile::kStages;
       mbar_wait(smem_address(&full[s]), (iteration / Tile::kStages) & 1);
@@ -276,27 +295,44 @@ __global__ void __launch_bounds__(Sm90Tile::kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Tile::kBlockK / 16; ++kk) {
-        wgmma_m64n256k16<T, !kAKMajor, !kBKMajor>(
-            acc, OperandA::descriptor(stage, consumer * 64, kk),
-            OperandB::descriptor(stage + OperandA::kBytes, 0, kk), kt > 0 || kk > 0);
+#pragma unroll
+        for (int slice = 0; slice < Tile::kSlices; ++slice) {
+          wgmma_m64nNk16<T, Tile::kBlockN, !kAKMajor, !kBKMajor>(
+              acc[slice], OperandA::descriptor(stage, a_row + slice * 64, kk),
+              OperandB::descriptor(stage + OperandA::kBytes, 0, kk), kt > 0 || kk > 0);
+        }
       }
       wgmma_commit();
-      wgmma_wait_all();
-      if (thread == 0) mbar_arrive(smem_address(&empty[s]));
+      // One k tile of wgmmas stays in flight while the next is issued; the stage of the one
+      // before it is free once that has finished.
+      if (kt > 0) {
+        wgmma_wait<1>();
+        if (thread == 0) mbar_arrive(smem_address(&empty[(iteration - 1) % Tile::kStages]));
+      }
+    }
+    wgmma_wait<0>();
+    if (thread == 0) mbar_arrive(smem_address(&empty[(iteration - 1) % Tile::kStages]));
+    if constexpr (!Tile::kCooperative) {
+      // The other consumer's next tile may start while this one stores.
+      if (blockIdx.x + (j + 1) * gridDim.x < tiles) named_barrier_arrive(their_turn, 256);
     }
 
-    const uint32_t barrier_id = 1 + consumer;  // 0 is __syncthreads
     if constexpr (kBias) {
       // Every thread of the consumer has read the previous tile's bias: the last barrier of its
       // store_slice came after the reads. The first barrier of the next one publishes these.
 #pragma unroll
       for (int i = 0; i < Tile::kBlockN / 128; ++i) bias[thread + 128 * i] = tile_bias[i];
     }
-    if (p.g.preact != nullptr) {
-      store_slice<T, kBias, Activation::kNone>(&p.preact_map, acc, bias, staging, thread,
-                                               barrier_id, row0, col0);
+#pragma unroll
+    for (int slice = 0; slice < Tile::kSlices; ++slice) {
+      const int32_t slice_row = row0 + slice * 64;
+      if (p.g.preact != nullptr) {
+        store_slice<T, Tile::kBlockN, kBias, Activation::kNone>(
+            &p.preact_map, acc[slice], bias, staging, thread, store_barrier, slice_row, col0);
+      }
+      store_slice<T, Tile::kBlockN, kBias, kAct>(&p.out_map, acc[slice], bias, staging, thread,
+                                                 store_barrier, slice_row, col0);
     }
-    store_slice<T, kBias, kAct>(&p.out_map, acc, bias, staging, thread, barrier_id, row0, col0);
   }
   if (thread == 0) bulk_wait_all();
 #endif
@@ -346,14 +382,12 @@ inline CUtensorMap make_tensor_map(const void* base, CUtensorMapDataType dtype,
                   });
 }
 
-template <typename T, bool kAKMajor, bool kBKMajor, bool kBias, Activation kAct>
+template <Sm90Schedule kSchedule, typename T, bool kAKMajor, bool kBKMajor, bool kBias,
+          Activation kAct>
 void launch_sm90_kernel(const GemmParams& g, int sm_count, cudaStream_t stream) {
-  using Tile = Sm90Tile;
+  using Tile = Sm90Tile<kSchedule>;
   constexpr CUtensorMapDataType kType = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  constexpr int kSmemBytes =
-      1024 + Tile::kStages * (Tile::kBlockM + Tile::kBlockN) * Tile::kBlockK * 2 +
-      Tile::kConsumers * Tile::kStoreRows * 128;
   Sm90Params p;
   p.g = g;
   p.a_map = kAKMajor
@@ -368,19 +402,25 @@ void launch_sm90_kernel(const GemmParams& g, int sm_count, cudaStream_t stream) 
                      ? p.out_map
                      : make_tensor_map(g.preact, kType, 2, g.n, g.m, g.n, 64, Tile::kStoreRows);
 
-  auto* kernel = gemm_sm90_kernel<T, kAKMajor, kBKMajor, kBias, kAct>;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), kSmemBytes);
+  auto* kernel = gemm_sm90_kernel<kSchedule, T, kAKMajor, kBKMajor, kBias, kAct>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), Tile::kSmemBytes);
   const int32_t tiles = ceil_div(g.m, Tile::kBlockM) * ceil_div(g.n, Tile::kBlockN);
   const int32_t grid = tiles < sm_count ? tiles : sm_count;  // persistent: one CTA per SM
-  kernel<<<grid, Tile::kThreads, kSmemBytes, stream>>>(p);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
-void launch_sm90(const GemmParams& p, int sm_count, cudaStream_t stream) {
+void launch_sm90(const GemmParams& p, Sm90Schedule schedule, int sm_count, cudaStream_t stream) {
   with_kernel_instance(p, [&](auto a_k_major, auto b_k_major, auto has_bias, auto act) {
-    launch_sm90_kernel<T, decltype(a_k_major)::value, decltype(b_k_major)::value,
-                       decltype(has_bias)::value, decltype(act)::value>(p, sm_count, stream);
+    constexpr bool kA = decltype(a_k_major)::value, kB = decltype(b_k_major)::value;
+    constexpr bool kBias = decltype(has_bias)::value;
+    constexpr Activation kAct = decltype(act)::value;
+    if (schedule == Sm90Schedule::kPingpong) {
+      launch_sm90_kernel<Sm90Schedule::kPingpong, T, kA, kB, kBias, kAct>(p, sm_count, stream);
+    } else {
+      launch_sm90_kernel<Sm90Schedule::kCooperative, T, kA, kB, kBias, kAct>(p, sm_count, stream);
+    }
   });
 }
 

@@ -1,5 +1,5 @@
-// wgmma.mma_async m64n256k16 with fp32 accumulators (128 per thread), for fp16 and bf16 inputs.
-// The operand lists are long because every accumulator register is named.
+// wgmma.mma_async m64nNk16 with fp32 accumulators (N / 2 per thread) for N = 256 and 128, fp16
+// and bf16 inputs. The operand lists are long because every accumulator register is named.
 #pragma once
 
 #include <stdint.h>
@@ -8,8 +8,8 @@
 
 namespace fusedamp::gemm {
 
-// One m64n256k16 wgmma; TYPE is the PTX element type ("f16" or "bf16"), the only difference
-// between the two instantiations (asm strings must be literals, hence a macro).
+// One m64nNk16 wgmma; TYPE is the PTX element type ("f16" or "bf16"), the only difference
+// between the two instantiations (asm strings must be literals, hence macros).
 #define FUSEDAMP_WGMMA_M64N256K16(TYPE) \
     asm volatile( \
           "{\n" \
@@ -49,18 +49,50 @@ namespace fusedamp::gemm {
             "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
           : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int32_t(kTransA)), "n"(int32_t(kTransB)))
 
-// d (64, 256) (+)= A (64, 16) * B (16, 256), A and B read from shared memory through their
+#define FUSEDAMP_WGMMA_M64N128K16(TYPE) \
+    asm volatile( \
+          "{\n" \
+          ".reg .pred accumulate;\n" \
+          "setp.ne.b32 accumulate, %66, 0;\n" \
+          "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+          "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+          "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, " \
+          "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, " \
+          "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+          "%64, %65, accumulate, 1, 1, %67, %68;\n" \
+          "}\n" \
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), \
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), \
+            "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), \
+            "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+            "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), \
+            "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+            "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), \
+            "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+            "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), \
+            "+f"(d[62]), "+f"(d[63]) \
+          : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int32_t(kTransA)), "n"(int32_t(kTransB)))
+
+// d (64, N) (+)= A (64, 16) * B (16, N), A and B read from shared memory through their
 // descriptors. accumulate == 0 overwrites d; kTransA / kTransB select MN-major operands.
-template <typename T, bool kTransA, bool kTransB>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 uint32_t accumulate) {
-  if constexpr (std::is_same_v<T, __half>) {
+template <typename T, int kN, bool kTransA, bool kTransB>
+__device__ __forceinline__ void wgmma_m64nNk16(float (&d)[kN / 2], uint64_t desc_a,
+                                               uint64_t desc_b, uint32_t accumulate) {
+  static_assert(kN == 256 || kN == 128, "wgmma_m64nNk16: N must be 256 or 128");
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  if constexpr (kN == 256 && kHalf) {
     FUSEDAMP_WGMMA_M64N256K16("f16");
-  } else {
+  } else if constexpr (kN == 256) {
     FUSEDAMP_WGMMA_M64N256K16("bf16");
+  } else if constexpr (kHalf) {
+    FUSEDAMP_WGMMA_M64N128K16("f16");
+  } else {
+    FUSEDAMP_WGMMA_M64N128K16("bf16");
   }
 }
 
 #undef FUSEDAMP_WGMMA_M64N256K16
+#undef FUSEDAMP_WGMMA_M64N128K16
 
 }  // namespace fusedamp::gemm

@@ -186,19 +186,67 @@ FUSEDAMP_HOST_DEVICE Coord sm80_accumulator(int32_t warp, int32_t lane, int32_t 
 }
 
 // --- sm90 kernel tiling ------------------------------------------------------------------------
-struct Sm90Tile {
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 256;
-  static constexpr int kBlockK = 64;   // one 128-byte swizzle row of 16-bit elements
-  static constexpr int kStages = 4;
-  static constexpr int kConsumers = 2;  // warpgroups, each computing 64 rows x kBlockN
+// How the sm90 kernel's two consumer warpgroups share the output tiles.
+enum class Sm90Schedule : int32_t {
+  // Both consumers compute each 128 x 256 tile, 64 rows each, and store it together: the fewest
+  // operand bytes per FLOP, but the Tensor Cores idle while a tile is stored.
+  kCooperative = 0,
+  // Each consumer computes whole 128 x 128 tiles and the two take turns: one stores its tile while
+  // the other's main loop runs, and a problem has twice the tiles to spread over the SMs.
+  kPingpong = 1,
+};
+
+// What both schedules share: one producer warpgroup, two consumer warpgroups, 64-wide k tiles.
+struct Sm90TileCommon {
+  static constexpr int kBlockK = 64;     // one 128-byte swizzle row of 16-bit elements
+  static constexpr int kConsumers = 2;   // warpgroups running wgmma
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kBoxMn = 64;     // MN extent of one TMA box of an MN-major operand
+  static constexpr int kBoxMn = 64;      // MN extent of one TMA box of an MN-major operand
   static constexpr int kStoreRows = 64;  // epilogue TMA store box: 64 rows x 128 bytes
 };
 
-// Output element of accumulator `index` (0 .. kBlockN / 2 - 1) of consumer thread `thread`
-// (0..127) of a wgmma m64nNk16 tile: (m, n) relative to the consumer's 64-row slice.
+template <Sm90Schedule kSchedule>
+struct Sm90Tile : Sm90TileCommon {
+  static constexpr bool kCooperative = kSchedule == Sm90Schedule::kCooperative;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kCooperative ? 256 : 128;
+  // Output rows a consumer computes per tile, in wgmma m64 slices.
+  static constexpr int kConsumerRows = kCooperative ? kBlockM / kConsumers : kBlockM;
+  static constexpr int kSlices = kConsumerRows / 64;
+  // As many stages as fit in 227 KiB of smem beside the consumers' staging buffers.
+  static constexpr int kStages = kCooperative ? 4 : 6;
+  // Consumers that read each stage, i.e. arrivals that free it for the next load.
+  static constexpr int kStageReaders = kCooperative ? kConsumers : 1;
+  static constexpr int kSmemBytes =
+      1024 + kStages * (kBlockM + kBlockN) * kBlockK * 2 + kConsumers * kStoreRows * 128;
+};
+
+// Consumer `consumer`'s share of its CTA's tiles: walk positions first, first + step, ... Position
+// j is linear tile blockIdx.x + j * gridDim.x, and its k tile kt is load j * k_tiles + kt of the
+// stage ring. Ping-pong consumers alternate, and one starts a main loop only when the other's
+// previous one is done, so that a consumer never waits on a stage more than one load ahead of
+// the last load it saw finish there (an mbarrier parity wait cannot tell those apart).
+struct Sm90Walk {
+  int32_t first;
+  int32_t step;
+};
+FUSEDAMP_HOST_DEVICE Sm90Walk sm90_consumer_walk(Sm90Schedule schedule, int32_t consumer) {
+  if (schedule == Sm90Schedule::kCooperative) return {0, 1};
+  return {consumer, Sm90TileCommon::kConsumers};
+}
+
+// The schedule of an (m, n) output on `sm_count` SMs when the caller leaves it to the kernel:
+// ping-pong where cooperative tiles would leave SMs idle (its tiles are half as wide, so up to
+// twice the SMs work and each hides its stores), cooperative where its tiles fill every SM.
+FUSEDAMP_HOST_DEVICE Sm90Schedule choose_sm90_schedule(int64_t m, int64_t n, int32_t sm_count) {
+  using Cooperative = Sm90Tile<Sm90Schedule::kCooperative>;
+  const int64_t tiles =
+      int64_t(ceil_div(m, Cooperative::kBlockM)) * ceil_div(n, Cooperative::kBlockN);
+  return tiles < sm_count ? Sm90Schedule::kPingpong : Sm90Schedule::kCooperative;
+}
+
+// Output element of accumulator `index` (0 .. N / 2 - 1) of consumer thread `thread` (0..127) of
+// a wgmma m64nNk16 tile: (m, n) relative to its 64-row slice.
 FUSEDAMP_HOST_DEVICE Coord wgmma_accumulator(int32_t thread, int32_t index) {
   const Coord c = mma_c_element(thread & 31, index & 3);
   return {16 * (thread >> 5) + c.row, 8 * (index >> 2) + c.col};
