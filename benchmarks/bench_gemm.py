@@ -13,7 +13,9 @@ the same batch in a CUDA graph and replays it (no host work at all between the k
 records both. The sweep also fits time = a + b * K per output tile over the K sweep (the fixed cost
 per tile, e.g. the epilogue, against the main loop's cost per unit of K) for each implementation.
 The wgmma kernel's two schedules (cooperative 128 x 256 tiles, ping-pong 128 x 128 tiles) are timed
-forced, beside `wgmma`'s per-shape choice of them: the columns that set that choice.
+forced, beside `wgmma`'s per-shape choice of them: the columns that set that choice. Each fusedamp
+result is first compared with torch's; a wrong one is reported (stderr and the JSON's "error") and
+not timed.
 """
 
 from __future__ import annotations
@@ -140,6 +142,29 @@ def calls_for(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
             "fusedamp": lambda: ops.gemm(x, w.t(), bias, "gelu")}
 
 
+def result_error(ours: torch.Tensor, reference: torch.Tensor) -> str:
+    """Why fusedamp's output does not stand for torch's, or "" when it does: the same shape, finite
+    where torch's is, and each element within 2^-6 of torch's plus 2^-10 of its RMS. Two fp32
+    accumulations rounded once to 16 bits differ by an output ulp or so; a skipped tile, a wrong
+    operand or bias is off by the values themselves. A wrong result is not timed."""
+    if ours.shape != reference.shape:
+        return f"wrong result: shape {tuple(ours.shape)}, torch's {tuple(reference.shape)}"
+    ours, reference = ours.float(), reference.float()
+    finite = torch.isfinite(reference)
+    if not torch.equal(torch.isfinite(ours), finite):
+        return "wrong result: non-finite elements where torch's are finite, or the reverse"
+    ours, reference = ours[finite], reference[finite]
+    if reference.numel() == 0:
+        return ""
+    tolerance = 2**-6 * reference.abs() + 2**-10 * reference.square().mean().sqrt()
+    wrong = int(((ours - reference).abs() > tolerance).sum())
+    if wrong:
+        worst = (ours - reference).abs().max().item()
+        return (f"wrong result: {wrong} of {reference.numel()} elements off torch's "
+                f"(largest error {worst:.3g})")
+    return ""
+
+
 @dataclass
 class Measurement:
     case: str
@@ -163,16 +188,23 @@ def measure(case: Case, dtype: str, epilogues: list[str], backends: list[str],
     found = []
     for epilogue in epilogues:
         fns = calls_for(x, w, bias, epilogue)
+        expected = fns["torch"]()
         for impl in ["torch", *backends]:
             fn = fns["torch" if impl == "torch" else "fusedamp"]
             previous = _C.set_gemm_backend(impl) if impl != "torch" else None
             try:
+                wrong = "" if impl == "torch" else result_error(fn(), expected)
+                if wrong:
+                    print(f"bench_gemm: {case.name} {dtype} {epilogue} {impl}: {wrong}",
+                          file=sys.stderr, flush=True)
                 for timing in timings:
-                    try:
-                        s: float | None = seconds(fn, timing)
-                        error = ""
-                    except RuntimeError as e:  # e.g. a capture the op does not allow
-                        s, error = None, f"{type(e).__name__}: {e}"[:300]
+                    s: float | None = None
+                    error = wrong
+                    if not wrong:
+                        try:
+                            s = seconds(fn, timing)
+                        except RuntimeError as e:  # e.g. a capture the op does not allow
+                            error = f"{type(e).__name__}: {e}"[:300]
                     found.append(Measurement(case.name, case.m, case.n, case.k, dtype, epilogue, impl,
                                              timing, s, tflops(case.m, case.n, case.k, s) if s else None,
                                              error))
