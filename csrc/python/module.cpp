@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "common/memo.h"
 #include "cpu/isa.h"
@@ -127,21 +128,22 @@ void def_gemm_tile_hooks(py::module_& m) {
   m.def("gemm_sm90_ring", [](const std::string& schedule) {
     TORCH_CHECK_VALUE(schedule == "cooperative" || schedule == "pingpong",
                       "gemm_sm90_ring: schedule must be 'cooperative' or 'pingpong'");
-    const bool cooperative = schedule == "cooperative";
-    const g::Sm90Schedule s = cooperative ? g::Sm90Schedule::kCooperative : g::Sm90Schedule::kPingpong;
-    using Cooperative = g::Sm90Tile<g::Sm90Schedule::kCooperative>;
-    using Pingpong = g::Sm90Tile<g::Sm90Schedule::kPingpong>;
-    std::vector<Pair> walks;
-    for (int32_t c = 0; c < g::Sm90TileCommon::kConsumers; ++c) {
-      const g::Sm90Walk w = g::sm90_consumer_walk(s, c);
-      walks.emplace_back(w.first, w.step);
-    }
-    return py::dict(
-        py::arg("stages") = cooperative ? Cooperative::kStages : Pingpong::kStages,
-        py::arg("stage_readers") = cooperative ? Cooperative::kStageReaders : Pingpong::kStageReaders,
-        py::arg("slices") = cooperative ? Cooperative::kSlices : Pingpong::kSlices,
-        py::arg("smem_bytes") = cooperative ? Cooperative::kSmemBytes : Pingpong::kSmemBytes,
-        py::arg("walks") = walks);
+    auto describe = [](auto schedule_constant) {
+      constexpr g::Sm90Schedule kSchedule = decltype(schedule_constant)::value;
+      using Tile = g::Sm90Tile<kSchedule>;
+      std::vector<Pair> walks;
+      for (int32_t c = 0; c < Tile::kConsumers; ++c) {
+        const g::Sm90Walk w = g::sm90_consumer_walk(kSchedule, c);
+        walks.emplace_back(w.first, w.step);
+      }
+      return py::dict(py::arg("stages") = Tile::kStages,
+                      py::arg("stage_readers") = Tile::kStageReaders,
+                      py::arg("slices") = Tile::kSlices, py::arg("smem_bytes") = Tile::kSmemBytes,
+                      py::arg("walks") = walks);
+    };
+    using S = g::Sm90Schedule;
+    if (schedule == "cooperative") return describe(std::integral_constant<S, S::kCooperative>{});
+    return describe(std::integral_constant<S, S::kPingpong>{});
   }, py::arg("schedule"),
      "The sm90 stage ring of a schedule: stages, consumers reading each stage, m64 slices per "
      "consumer, dynamic smem bytes, and each consumer's (first, step) walk position.");
