@@ -250,6 +250,25 @@ def test_vector_codes_equal_the_element_codes_for_every_bit_pattern(cpu_isa: str
 
 @needs_baseline_kernels
 @pytest.mark.parametrize("signed", [True, False])
+def test_values_beyond_the_largest_scales_reach_take_the_top_code(cpu_isa: str, signed: bool) -> None:
+    """The vector encoders clamp nothing in a block whose largest value sits at most at the top
+    code (BlockScale's plain blocks). Under the largest bf16 scale, values above about 3.37e38
+    lie beyond the top code: their block must take the clamping encoder, and give the element
+    functions' codes, the largest value the top code."""
+    values = torch.linspace(1.0e38, 3.4e38, 600)
+    if signed:
+        values[::3] *= -1
+    codes, scales = ops.encode_state(values, signed)
+    expected_codes, expected_scales = _baseline(ops.encode_state, values, signed)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    top = 0x7F if signed else 0xFF
+    assert int(codes[-1]) & top == top
+    decoded = ops.decode_state(codes, scales, signed)
+    assert decoded.isfinite().all() and (decoded.sign() == values.sign()).all()
+
+
+@needs_baseline_kernels
+@pytest.mark.parametrize("signed", [True, False])
 def test_every_code_decodes_as_the_element_function_on_every_build(cpu_isa: str, signed: bool) -> None:
     """Every code under scales across bf16's range, with and without the wide form's flag, and
     the zero scale of a block without a normal value."""

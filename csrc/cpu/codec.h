@@ -199,7 +199,9 @@ struct BlockStats {
 };
 
 // How a block's values are encoded: its stored scale (with the form), what encoding needs of it,
-// and whether every value is plain: finite, and in an unsigned state also without its sign bit.
+// and whether every value is plain: finite, in an unsigned state also without its sign bit, and
+// at most the top code's value relative to the scale (the vector encoder then clamps nothing; a
+// scale rounded to the largest value's own quotient, or at the bf16 maximum, can leave it above).
 struct BlockScale {
   uint16_t stored;
   BlockEncoding encoding;
@@ -221,15 +223,16 @@ template <bool kSigned>
   }
   const bool wide = block_is_wide<kSigned>(max_bits, stats.exponent_sum(), uint32_t(n), scale_is_wide(previous));
   const uint16_t stored = block_scale_bits<kSigned>(max_bits, wide, previous);
-  return {stored, block_encoding(stored), plain};
+  const BlockEncoding encoding = block_encoding(stored);
+  const bool under_top = float_bits(float_from_bits(max_bits) * encoding.inverse) <= code_form<kSigned>(wide).top_bits;
+  return {stored, encoding, plain && under_top};
 }
 
 #if FUSEDAMP_F16C_LANES
 // A block's encode_code constants in lanes: its form's and the inverse of its scale.
 struct EncodeLanes {
   CodeLanes inverse;          // as float bits
-  CodeLanes bias;
-  CodeLanes dropped_bits;
+  CodeLanes real_code_offset;
   CodeLanes smallest_bits;
   CodeLanes top_bits;
   CodeLanes code_base;        // offset + 1: what the unit in [1, 2) and the offset add to a code
@@ -242,8 +245,7 @@ template <bool kSigned>
 [[gnu::always_inline]] inline EncodeLanes encode_lanes_of(BlockEncoding encoding) {
   const CodeForm form = code_form<kSigned>(encoding.wide);
   return {lanes_of(float_bits(encoding.inverse)),
-          lanes_of(form.bias),
-          lanes_of(form.dropped_bits),
+          lanes_of(form.real_code_offset),
           lanes_of(form.smallest_bits),
           lanes_of(form.top_bits),
           lanes_of(form.offset + 1u),
@@ -252,42 +254,38 @@ template <bool kSigned>
           shift_count(form.shift)};
 }
 
-// A vector of codes; the lanes outside `kept` are 0, which the store writes (on AVX-512 the
-// narrowing store zeroes them: one instruction fewer than a select before it).
-struct CodeVector {
-  CodeLanes codes;
-  LaneMask kept;
-};
-
-[[gnu::always_inline]] inline void store_code_vector(uint8_t* out, const CodeVector& v) {
-  store_kept_code_lanes(out, v.kept, v.codes);
-}
-
 // encode_code on the next kCodeLanes values of a block, each rounded with its lane of `unit`
 // (the lanes of NearestCodeRounding or StochasticCodeRounding). kPlain: every value of the block
-// is plain (BlockScale), so no lane needs the non-finite codes, and an unsigned state's bits are
-// its magnitudes.
+// is plain (BlockScale), so no lane needs the non-finite codes or the clamp at the top code, and an
+// unsigned state's bits are its magnitudes.
 template <bool kSigned, bool kPlain>
-[[gnu::always_inline]] inline CodeVector encode_code_lanes(const float* values, const EncodeLanes& block,
-                                                           CodeLanes unit) {
+[[gnu::always_inline]] inline CodeLanes encode_code_lanes(const float* values, const EncodeLanes& block,
+                                                          CodeLanes unit) {
   using Code = BlockCode<kSigned>;
   const CodeLanes bits = load_bit_lanes(values);
   const CodeLanes magnitude = !kSigned && kPlain ? bits : and_lanes(bits, lanes_of(0x7fffffffu));
   // encode_code's steps; every value compared is below 2^31, so signed compares order the bits.
   // Without the lower clamp: the code of a lane below the smallest code is replaced below, and
-  // its real code is still a normal float in every form (no denormal, no microcode assist).
+  // its real code is still a normal float in every form (real_code_offset is one: no denormal,
+  // no microcode assist).
   const CodeLanes relative = mul_float_lanes(magnitude, block.inverse);
-  const CodeLanes position = min_lanes(relative, block.top_bits);
-  const CodeLanes real_code =
-      or_lanes(shift_right_by(sub_lanes(position, block.bias), block.shift), block.dropped_bits);
+  const CodeLanes position = kPlain ? relative : min_lanes(relative, block.top_bits);
+  const CodeLanes real_code = add_lanes(shift_right_by(position, block.shift), block.real_code_offset);
   CodeLanes code = sub_lanes(float_lanes_as_integers(add_float_lanes(real_code, unit)), block.code_base);
-  const LaneMask below = lanes_below_lanes(relative, block.smallest_bits);
-  if (any_lane(below)) {
-    if constexpr (kSigned) {
-      const CodeLanes scaled = add_float_lanes(mul_float_lanes(relative, block.below_multiplier), unit);
-      code = select_lanes(below, keep_lanes(lanes_at_least(scaled, 0x40000000u), block.smallest_code), code);
-    } else {
-      code = select_lanes(below, block.smallest_code, code);
+  if constexpr (!kSigned && kPlain) {
+    // A lane below the smallest code rounds to at most it (its position and real code are
+    // smaller, so is the sum), so the smallest code is its code: a maximum instead of a test; a
+    // zero stays 0.
+    return at_least_or_zero(code, block.smallest_code, magnitude);
+  } else {
+    const LaneMask below = lanes_below_lanes(relative, block.smallest_bits);
+    if (any_lane(below)) {
+      if constexpr (kSigned) {
+        const CodeLanes scaled = add_float_lanes(mul_float_lanes(relative, block.below_multiplier), unit);
+        code = select_lanes(below, keep_lanes(lanes_at_least(scaled, 0x40000000u), block.smallest_code), code);
+      } else {
+        code = select_lanes(below, block.smallest_code, code);
+      }
     }
   }
   if constexpr (kSigned) code = or_masked(code, shift_right(bits, 24), 0x80u);
@@ -301,18 +299,9 @@ template <bool kSigned, bool kPlain>
       code = select_lanes(non_finite, special, code);
     }
   }
-  // A zero stays 0 in an unsigned state; a signed one keeps its sign. On AVX-512 the narrowing
-  // store zeroes the lanes outside `kept`; on AVX2 an andnot with the zero lanes does, one
-  // instruction fewer than a mask of the others.
-  LaneMask kept = all_lanes();
-  if constexpr (!kSigned) {
-#if FUSEDAMP_F16C_LANES == 16
-    kept = lanes_nonzero(magnitude);
-#else
-    code = zero_where_zero(code, magnitude);
-#endif
-  }
-  return {code, kept};
+  // A zero stays 0 in an unsigned state; a signed one keeps its sign.
+  if constexpr (!kSigned) code = zero_where_zero(code, magnitude);
+  return code;
 }
 
 // decode_code on the next kCodeLanes codes of a block, as fp32 bit patterns. kSpecialCodes: some
@@ -327,18 +316,19 @@ template <bool kSigned, bool kSpecialCodes>
 [[gnu::always_inline]] inline CodeLanes decode_code_lanes(const uint8_t* codes, const DecodeLanes& block) {
   using Code = BlockCode<kSigned>;
   constexpr uint32_t kOffset = narrow_code_form<kSigned>().offset;
-  const CodeLanes code = load_code_lanes(codes);
+  // A signed code sign-extended: its sign is already in the lane's sign bit.
+  const CodeLanes code = kSigned ? load_signed_code_lanes(codes) : load_code_lanes(codes);
   const CodeLanes magnitude = kSigned ? and_lanes(code, lanes_of(Code::kMagnitudeMask)) : code;
   const CodeLanes integer = integer_lanes_as_floats(kOffset == 0 ? magnitude : add_lanes(magnitude, lanes_of(kOffset)));
   CodeLanes result = mul_float_lanes(add_lanes(shift_left_by(integer, block.shift), block.bias), block.scale);
-  if constexpr (kSigned) result = or_masked(result, shift_left(code, 24), 0x80000000u);
+  if constexpr (kSigned) result = or_masked(result, code, 0x80000000u);
   if constexpr (kSpecialCodes) {
     const LaneMask special = lanes_below(magnitude, Code::kInf + 1u);
     if (any_lane(special)) {
       const CodeLanes nan_or_inf =
           select_lanes(lanes_equal(magnitude, Code::kNan), lanes_of(0x7fc00000u), lanes_of(0x7f800000u));
       CodeLanes value = select_lanes(lanes_equal(magnitude, Code::kZero), lanes_of(0), nan_or_inf);
-      if constexpr (kSigned) value = or_masked(value, shift_left(code, 24), 0x80000000u);
+      if constexpr (kSigned) value = or_masked(value, code, 0x80000000u);
       result = select_lanes(special, value, result);
     }
   }
@@ -374,13 +364,12 @@ template <bool kSigned, bool kPlain, typename Rounding>
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES == 8
   for (; i + 2 * kCodeLanes <= n; i += 2 * kCodeLanes) {
-    const CodeVector a = encode_code_lanes<kSigned, kPlain>(values + i, block, rounding.lanes(i));
-    const CodeVector b = encode_code_lanes<kSigned, kPlain>(values + i + kCodeLanes, block, rounding.lanes(i + kCodeLanes));
-    store_code_lane_pair(codes + i, keep_lanes(a.kept, a.codes), keep_lanes(b.kept, b.codes));
+    store_code_lane_pair(codes + i, encode_code_lanes<kSigned, kPlain>(values + i, block, rounding.lanes(i)),
+                         encode_code_lanes<kSigned, kPlain>(values + i + kCodeLanes, block, rounding.lanes(i + kCodeLanes)));
   }
 #endif
   for (; i + kCodeLanes <= n; i += kCodeLanes) {
-    store_code_vector(codes + i, encode_code_lanes<kSigned, kPlain>(values + i, block, rounding.lanes(i)));
+    store_code_lanes(codes + i, encode_code_lanes<kSigned, kPlain>(values + i, block, rounding.lanes(i)));
   }
   return i;
 }

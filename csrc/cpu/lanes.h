@@ -24,6 +24,9 @@ using CodeLanes = __m512i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm512_maskz_cvtepu8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
 }
+[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
+  return _mm512_maskz_cvtepi8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+}
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_maskz_cvtepi32_epi8(__mmask16(0xffff), lanes));
 }
@@ -38,11 +41,6 @@ using LaneMask = __mmask16;
 }
 // a where `pick`, else 0.
 [[gnu::always_inline]] inline CodeLanes keep_lanes(LaneMask pick, CodeLanes a) { return _mm512_maskz_mov_epi32(pick, a); }
-[[gnu::always_inline]] inline LaneMask all_lanes() { return __mmask16(0xffff); }
-// store_code_lanes of keep_lanes(kept, codes): the narrowing zeroes the other lanes.
-[[gnu::always_inline]] inline void store_kept_code_lanes(uint8_t* out, LaneMask kept, CodeLanes codes) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_maskz_cvtepi32_epi8(kept, codes));
-}
 [[gnu::always_inline]] inline LaneMask lanes_at_least(CodeLanes a, uint32_t bound) {
   return _mm512_cmpge_epi32_mask(a, lanes_of(bound));
 }
@@ -139,7 +137,6 @@ using ShiftCount = __m128i;
 }
 [[gnu::always_inline]] inline void store_word_lanes(uint32_t* words, CodeLanes a) { _mm512_storeu_si512(words, a); }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm512_xor_si512(a, b); }
-[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm512_or_si512(a, b); }
 [[gnu::always_inline]] inline LaneMask lanes_below_lanes(CodeLanes a, CodeLanes b) {
   return _mm512_cmplt_epi32_mask(a, b);
 }
@@ -153,11 +150,24 @@ using ShiftCount = __m128i;
 [[gnu::always_inline]] inline void store_half_lanes(uint16_t* halves, CodeLanes a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves), _mm512_maskz_cvtepi32_epi16(__mmask16(0xffff), a));
 }
+// `codes` where `values` is not 0, else 0.
+[[gnu::always_inline]] inline CodeLanes zero_where_zero(CodeLanes codes, CodeLanes values) {
+  return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(values, values), codes);
+}
+// max(codes, least) where `values` is not 0, else 0: one instruction after the test. (The codes
+// are stored a vector at a time: packing two vectors to bytes with shuffles, as on AVX2, made the
+// coded steps slower.)
+[[gnu::always_inline]] inline CodeLanes at_least_or_zero(CodeLanes codes, CodeLanes least, CodeLanes values) {
+  return _mm512_maskz_max_epi32(_mm512_test_epi32_mask(values, values), codes, least);
+}
 #elif FUSEDAMP_F16C_LANES == 8
 constexpr int64_t kCodeLanes = 8;
 using CodeLanes = __m256i;
 [[gnu::always_inline]] inline CodeLanes load_code_lanes(const uint8_t* codes) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+}
+[[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
 }
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   // The low byte of each 32-bit lane to the low 4 bytes of its 128-bit half, then both halves joined.
@@ -263,7 +273,6 @@ using ShiftCount = __m256i;
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), a);
 }
 [[gnu::always_inline]] inline CodeLanes xor_lanes(CodeLanes a, CodeLanes b) { return _mm256_xor_si256(a, b); }
-[[gnu::always_inline]] inline CodeLanes or_lanes(CodeLanes a, CodeLanes b) { return _mm256_or_si256(a, b); }
 [[gnu::always_inline]] inline LaneMask lanes_below_lanes(CodeLanes a, CodeLanes b) { return _mm256_cmpgt_epi32(b, a); }
 [[gnu::always_inline]] inline CodeLanes mul_lanes(CodeLanes a, uint32_t b) {
   return _mm256_mullo_epi32(a, lanes_of(b));
@@ -275,13 +284,14 @@ using ShiftCount = __m256i;
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, a), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(halves), _mm256_castsi256_si128(packed));
 }
-[[gnu::always_inline]] inline LaneMask all_lanes() { return lanes_of(0xffffffffu); }
-// `codes` where `values` is not 0, else 0.
+// `codes` where `values` is not 0, else 0: an andnot with the zero lanes, one instruction fewer
+// than a mask of the others.
 [[gnu::always_inline]] inline CodeLanes zero_where_zero(CodeLanes codes, CodeLanes values) {
   return _mm256_andnot_si256(_mm256_cmpeq_epi32(values, _mm256_setzero_si256()), codes);
 }
-[[gnu::always_inline]] inline void store_kept_code_lanes(uint8_t* out, LaneMask kept, CodeLanes codes) {
-  store_code_lanes(out, keep_lanes(kept, codes));
+// max(codes, least) where `values` is not 0, else 0.
+[[gnu::always_inline]] inline CodeLanes at_least_or_zero(CodeLanes codes, CodeLanes least, CodeLanes values) {
+  return zero_where_zero(_mm256_max_epi32(codes, least), values);
 }
 // Two vectors of codes (each below 256) as 2 * kCodeLanes bytes, in three shuffles instead of
 // store_code_lanes' three per vector: a pack to words ([a0-3 b0-3 | a4-7 b4-7]), one to bytes

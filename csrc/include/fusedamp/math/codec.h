@@ -36,7 +36,10 @@ inline int64_t codec_blocks(int64_t numel) { return (numel + kCodecBlock - 1) / 
 // the map exactly: shift the value's bits back and read the float as the real-valued position c,
 // whose fraction is the stochastic rounding's probability of rounding up. Both directions are a
 // few integer and float operations, no table, no search, so they vectorize on AVX2 and give the
-// same bits on every ISA build and on CUDA.
+// same bits on every ISA build and on CUDA. The top bits that decoding shifts out are the
+// same for every code of a form, and the bias has no bits under the exponent field, so encoding
+// adds one constant to the shifted-back position (real_code_offset): one integer operation where
+// undoing the bias and restoring those bits take two.
 //
 // Each block picks the form of its codes from its values: a signed state's block whose values lie
 // on average more than kWideBinades binades below its largest (a heavy-tailed block: an update's
@@ -58,7 +61,7 @@ struct CodeForm {
   uint32_t offset;         // added to a code before it is read as a float
   uint32_t shift;          // bits moved from its float's mantissa into the exponent
   uint32_t bias;           // added to the shifted bits: puts the top code into [0.5, 1)
-  uint32_t dropped_bits;   // the bits the shift drops (the same for every code of the form)
+  uint32_t real_code_offset;  // float_bits(float(c + offset)) - (float_bits(rel(c)) >> shift)
   uint32_t smallest_code;  // the least code of a value (below: zero, NaN and inf)
   uint32_t smallest_bits;  // the float bits of rel(smallest_code)
   uint32_t top_bits;       // the float bits of rel(top code), in [0.5, 1)
@@ -80,13 +83,22 @@ constexpr CodeForm make_code_form(uint32_t top_code, uint32_t offset, uint32_t s
   const uint32_t bias = (126u << 23) - ((integer_float_bits(top_code + offset) << shift) & 0xff800000u);
   // Codes below 2^shift - offset have fewer bits under their leading one than the shift takes.
   const uint32_t smallest = (1u << shift) > offset + 3u ? (1u << shift) - offset : 3u;
+  const uint32_t smallest_bits = form_bits(smallest, offset, shift, bias);
   return {offset,
           shift,
           bias,
-          integer_float_bits(smallest + offset) & ~(0xffffffffu >> shift),
+          integer_float_bits(smallest + offset) - (smallest_bits >> shift),
           smallest,
-          form_bits(smallest, offset, shift, bias),
+          smallest_bits,
           form_bits(top_code, offset, shift, bias)};
+}
+
+// Whether real_code_offset inverts a form from its smallest to its top code: true at both ends
+// is enough, since both sides grow with the position and neither wraps in between.
+constexpr bool real_code_offset_inverts(const CodeForm& form, uint32_t top_code) {
+  const auto real_code_bits = [&](uint32_t position) { return (position >> form.shift) + form.real_code_offset; };
+  return real_code_bits(form.smallest_bits) == integer_float_bits(form.smallest_code + form.offset) &&
+         real_code_bits(form.top_bits) == integer_float_bits(top_code + form.offset);
 }
 
 // The code kinds: signed (sign bit + 7 bits of magnitude) and unsigned (8 bits).
@@ -117,12 +129,9 @@ static_assert(wide_code_form<true>().smallest_bits == (107u << 23), "wide signed
 static_assert(narrow_code_form<true>().top_bits == 0x3f7c0000u, "narrow signed top code: 1 - 2^-6");
 static_assert(wide_code_form<true>().top_bits == 0x3f780000u, "wide signed top code: 1 - 2^-5");
 static_assert(narrow_code_form<false>().top_bits == 0x3f7c0000u, "unsigned top code: 1 - 2^-6");
-static_assert((integer_float_bits(0x7fu) & 0x80000000u) == narrow_code_form<true>().dropped_bits,
-              "the narrow form's codes share the dropped bits");
-static_assert((integer_float_bits(0x7fu) & 0xc0000000u) == wide_code_form<true>().dropped_bits,
-              "the wide form's codes share the dropped bits");
-static_assert((integer_float_bits(0xffu + 32u) & 0xe0000000u) == narrow_code_form<false>().dropped_bits,
-              "the unsigned form's codes share the dropped bits");
+static_assert(real_code_offset_inverts(narrow_code_form<true>(), 0x7fu), "narrow signed codes invert");
+static_assert(real_code_offset_inverts(wide_code_form<true>(), 0x7fu), "wide signed codes invert");
+static_assert(real_code_offset_inverts(narrow_code_form<false>(), 0xffu), "unsigned codes invert");
 
 }  // namespace fusedamp
 
@@ -264,7 +273,7 @@ FUSEDAMP_HOST_DEVICE uint8_t encode_code(float value, BlockEncoding encoding, ui
   const float relative = float_from_bits(magnitude) * encoding.inverse;
   uint32_t position = float_bits(relative) < form.smallest_bits ? form.smallest_bits : float_bits(relative);
   position = position > form.top_bits ? form.top_bits : position;
-  const float real_code = float_from_bits(((position - form.bias) >> form.shift) | form.dropped_bits);
+  const float real_code = float_from_bits((position >> form.shift) + form.real_code_offset);
   uint32_t code = uint32_t(int32_t(real_code + float_from_bits(unit))) - (form.offset + 1u);
   if (float_bits(relative) < form.smallest_bits) {
     if constexpr (kSigned) {
