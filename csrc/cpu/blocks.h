@@ -44,10 +44,11 @@ constexpr int64_t kBlockGroup = 32;
 // step is bound by them: vector instructions added to the encoder slow it about in proportion.
 // On AVX2 dropping single ones pays (shifts by a vector of counts, no lower clamp, a one-
 // instruction mask test, zero codes by an andnot); on AVX-512 the same cuts, or constants made once
-// a block instead of once a group, left the step's time unchanged or slower. Cuts of three
-// instructions a vector on both (real_code_offset, no top clamp in plain blocks, the unsigned
-// smallest code by a maximum) paid on both. Taking the draws'
-// hash once per vector instead of per lane ([note: dither phases]) made both faster.
+// a block instead of once a group, left the step's time unchanged or slower. Two to four
+// instructions fewer per vector on both (the position by one shift and one add of
+// real_code_offset, no top clamp in plain blocks, the unsigned smallest code by a maximum) paid
+// on both. Taking the draws' hash once per vector instead of per lane ([note: dither phases]) made
+// both faster.
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded

@@ -266,8 +266,8 @@ template <bool kSigned, bool kPlain>
   const CodeLanes magnitude = !kSigned && kPlain ? bits : and_lanes(bits, lanes_of(0x7fffffffu));
   // encode_code's steps; every value compared is below 2^31, so signed compares order the bits.
   // Without the lower clamp: the code of a lane below the smallest code is replaced below, and
-  // its real code is still a normal float in every form (real_code_offset is one: no denormal,
-  // no microcode assist).
+  // its real code is still a normal float in every form (real_code_offset alone is a normal
+  // float's bits, and the shifted position only adds to them: no denormal, no microcode assist).
   const CodeLanes relative = mul_float_lanes(magnitude, block.inverse);
   const CodeLanes position = kPlain ? relative : min_lanes(relative, block.top_bits);
   const CodeLanes real_code = add_lanes(shift_right_by(position, block.shift), block.real_code_offset);

@@ -27,6 +27,8 @@ using CodeLanes = __m512i;
 [[gnu::always_inline]] inline CodeLanes load_signed_code_lanes(const uint8_t* codes) {
   return _mm512_maskz_cvtepi8_epi32(__mmask16(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
 }
+// (A vector at a time: packing two vectors to bytes with shuffles, as on AVX2, made the coded
+// steps slower.)
 [[gnu::always_inline]] inline void store_code_lanes(uint8_t* codes, CodeLanes lanes) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm512_maskz_cvtepi32_epi8(__mmask16(0xffff), lanes));
 }
@@ -152,13 +154,11 @@ using ShiftCount = __m128i;
 }
 // `codes` where `values` is not 0, else 0.
 [[gnu::always_inline]] inline CodeLanes zero_where_zero(CodeLanes codes, CodeLanes values) {
-  return _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(values, values), codes);
+  return keep_lanes(lanes_nonzero(values), codes);
 }
-// max(codes, least) where `values` is not 0, else 0: one instruction after the test. (The codes
-// are stored a vector at a time: packing two vectors to bytes with shuffles, as on AVX2, made the
-// coded steps slower.)
+// max(codes, least) where `values` is not 0, else 0: one instruction after the test.
 [[gnu::always_inline]] inline CodeLanes at_least_or_zero(CodeLanes codes, CodeLanes least, CodeLanes values) {
-  return _mm512_maskz_max_epi32(_mm512_test_epi32_mask(values, values), codes, least);
+  return _mm512_maskz_max_epi32(lanes_nonzero(values), codes, least);
 }
 #elif FUSEDAMP_F16C_LANES == 8
 constexpr int64_t kCodeLanes = 8;
