@@ -48,7 +48,7 @@ constexpr int64_t kBlockGroup = 32;
 // instructions fewer per vector on both (the position by one shift and one add of
 // real_code_offset, no top clamp in plain blocks, the unsigned smallest code by a maximum) paid
 // on both. Taking the draws' hash once per vector instead of per lane ([note: dither phases]) made
-// both faster.
+// both faster, and once per block, a vector of them at a time ([note: block phases]), again.
 
 // One codec block of an optimizer state as fp32, a group of values at a time: an fp32 state in
 // place; a bf16 one decoded into a tile and stored back group by group; an int8 one decoded
@@ -63,13 +63,11 @@ template <StateCodec C, bool kSigned, DrawShare S = DrawShare::kWhole>
 struct StateBlock {
   void* state = nullptr;                  // the state at the block's first element
   float* values = nullptr;                // the block's fp32 values: the state itself, or a tile
-  int64_t first = 0;                      // the block's first element
-  uint32_t key = 0;                       // bf16, int8: the chunk's dither key for this state
-  uint32_t rotation = 0;                  // bf16, int8: the step's rotation ([note: dithered draws])
+  const uint32_t* phases = nullptr;       // bf16: the block's draws ([note: block phases])
   BlockDecode decode{};                   // int8: the block's scale and how its codes decode
   const float* pending_values = nullptr;  // int8: the block before, to encode; null if none
   uint8_t* pending_codes = nullptr;
-  int64_t pending_first = 0;              // int8: the first element of the block before
+  const uint32_t* pending_phases = nullptr;  // int8: the draws of the block before
   BlockScale pending_scale{};
   BlockStats<kSigned> stats;
 
@@ -86,10 +84,10 @@ struct StateBlock {
   }
 
   // Takes back the group that stage() gave, after the math updated it: a bf16 state rounded with
-  // its draws (DitheredDraws, or the TiledDraws of a shared draw), an int8 one folded into the
-  // block's statistics.
+  // its block's draws (PhasedDraws, or the TiledDraws of a shared draw), an int8 one folded into
+  // the block's statistics.
   [[gnu::always_inline]] void unstage(int64_t offset, int64_t n) {
-    unstage(offset, n, DitheredDraws{key, first + offset, rotation});
+    unstage(offset, n, PhasedDraws{phases, offset});
   }
 
   template <typename Draws>
@@ -104,7 +102,7 @@ struct StateBlock {
   // Writes the codes of values [offset, offset + n) of the block before this one, if any, rounded
   // with its draws (as unstage).
   [[gnu::always_inline]] void encode_pending(int64_t offset, int64_t n) {
-    encode_pending(offset, n, DitheredDraws{key, pending_first + offset, rotation});
+    encode_pending(offset, n, PhasedDraws{pending_phases, offset});
   }
 
   template <typename Draws>
@@ -126,14 +124,14 @@ template <StateCodec C, bool kLowSigned, bool kHighSigned>
                                                       StateBlock<C, kHighSigned, DrawShare::kHigh>& high,
                                                       int64_t offset, int64_t n, uint32_t* draw_tile) {
   if constexpr (C == StateCodec::kBFloat16) {
-    fill_draws(DitheredDraws{low.key, low.first + offset, low.rotation}, n, draw_tile);
+    fill_draws(PhasedDraws{low.phases, offset}, n, draw_tile);
     low.unstage(offset, n, TiledDraws{draw_tile});
     high.unstage(offset, n, TiledDraws{draw_tile});
   } else if constexpr (C == StateCodec::kInt8) {
     low.unstage(offset, n);
     high.unstage(offset, n);
     if (low.pending_values != nullptr) {
-      fill_draws(DitheredDraws{low.key, low.pending_first + offset, low.rotation}, n, draw_tile);
+      fill_draws(PhasedDraws{low.pending_phases, offset}, n, draw_tile);
       low.encode_pending(offset, n, TiledDraws{draw_tile});
       high.encode_pending(offset, n, TiledDraws{draw_tile});
     }
@@ -153,15 +151,14 @@ class StagedState {
   // The block of n elements from block_first.
   [[gnu::always_inline]] StateBlock<C, kSigned, S> begin_block(int64_t block_first, int64_t n) {
     StateBlock<C, kSigned, S> block{};
-    block.first = block_first;
-    block.key = key_;
-    block.rotation = rotation_;
     if constexpr (C == StateCodec::kFloat32) {
       block.state = static_cast<float*>(state_) + block_first;
       block.values = static_cast<float*>(block.state);
     } else if constexpr (C == StateCodec::kBFloat16) {
       block.state = static_cast<uint16_t*>(state_) + block_first;
       block.values = tiles_[0];
+      fill_block_phases(key_, block_first, rotation_, phases_[0]);
+      block.phases = phases_[0];
     } else {
       block.state = static_cast<uint8_t*>(state_) + block_first;
       block.values = tiles_[current_];
@@ -170,7 +167,7 @@ class StagedState {
       if (pending_n_ != 0) {
         block.pending_values = tiles_[current_ ^ 1];
         block.pending_codes = static_cast<uint8_t*>(state_) + pending_first_;
-        block.pending_first = pending_first_;
+        block.pending_phases = phases_[current_ ^ 1];
         block.pending_scale = pending_scale_;
       }
     }
@@ -190,6 +187,7 @@ class StagedState {
       }
       pending_scale_ = block_scale_of<kSigned>(block.values, n, block.stats, block.decode.stored);
       scales_[block_first / kCodecBlock] = pending_scale_.stored;
+      fill_block_phases(key_, block_first, rotation_, phases_[current_]);
       pending_first_ = block_first;
       pending_n_ = n;
       current_ ^= 1;
@@ -200,10 +198,9 @@ class StagedState {
   [[gnu::always_inline]] void finish() {
     if constexpr (C == StateCodec::kInt8) {
       if (pending_n_ != 0) {
-        const DitheredDraws draws{key_, pending_first_, rotation_};
         uint8_t* const codes = static_cast<uint8_t*>(state_) + pending_first_;
         encode_codes<kSigned>(tiles_[current_ ^ 1], pending_n_, pending_scale_, codes,
-                              stochastic_code_rounding_of<S>(draws));
+                              stochastic_code_rounding_of<S>(PhasedDraws{phases_[current_ ^ 1], 0}));
       }
       pending_n_ = 0;
     }
@@ -215,7 +212,9 @@ class StagedState {
   uint16_t* scales_;
   uint32_t key_;
   uint32_t rotation_;
+  static constexpr int64_t kPhases = C == StateCodec::kFloat32 ? 1 : kBlockPhases;
   alignas(64) float tiles_[2][kTile];  // the current block's values and the pending block's
+  alignas(64) uint32_t phases_[2][kPhases];  // their draws ([note: block phases]); bf16: [0]
   int current_ = 0;
   int64_t pending_first_ = 0;
   int64_t pending_n_ = 0;  // 0: no block pending

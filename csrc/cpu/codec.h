@@ -45,8 +45,10 @@ inline namespace FUSEDAMP_ISA {
 
 // Where the stochastic roundings of a run of values take their draws (value i's, element or a
 // vector from it): every coded state's draws are dithered ([note: dithered draws]), each
-// element's phase (dither_phase) plus the step's rotation; or a tile of draws made once by
-// fill_draws for the states that share them ([note: shared state draws]).
+// element's phase (dither_phase) plus the step's rotation: from the stream's key for any run
+// (DitheredDraws), from a block's phases made once (PhasedDraws, [note: block phases]), or a tile
+// of draws made once by fill_draws for the states that share them (TiledDraws, [note: shared
+// state draws]).
 struct DitheredDraws {
   uint32_t key;           // the stream's dither key (ChunkKeys::dither_key)
   int64_t first_element;  // value 0's
@@ -71,6 +73,47 @@ struct DitheredDraws {
 #endif
 };
 
+// [note: block phases] A codec block's draws from its groups' phases, made once for the block:
+// the hashes of its kBlockPhases groups (dither_group_bits) plus the step's rotation, one vector
+// hash per kCodeLanes groups (fill_block_phases), where each vector of codes took a scalar hash of
+// its own (about fifteen scalar instructions in the coded steps' busiest loop). PhasedDraws reads
+// them: `first` is value 0's element in the block, and a vector (lanes) starts at a multiple of
+// kCodeLanes from the block's first element, so that it lies in one group.
+constexpr int64_t kBlockPhases = kCodecBlock / kDitherGroup;
+
+[[gnu::always_inline]] inline void fill_block_phases(uint32_t key, int64_t block_first, uint32_t rotation,
+                                                     uint32_t* phases) {
+  int64_t g = 0;
+#if FUSEDAMP_F16C_LANES
+  static_assert(kBlockPhases % kCodeLanes == 0, "whole vectors of phases");
+  for (; g < kBlockPhases; g += kCodeLanes) {
+    const CodeLanes groups = add_lanes(lanes_of(uint32_t(block_first / kDitherGroup + g)), lane_indices());
+    store_word_lanes(phases + g, add_lanes(rounding_bit_lanes(key, groups), lanes_of(rotation)));
+  }
+#endif
+  for (; g < kBlockPhases; ++g) phases[g] = dither_group_bits(key, block_first + g * kDitherGroup) + rotation;
+}
+
+struct PhasedDraws {
+  const uint32_t* phases;  // the block's (fill_block_phases)
+  int64_t first;           // value 0's element in the block
+
+  [[gnu::always_inline]] uint32_t element(int64_t i) const {
+    const int64_t place = first + i;
+    return phases[place / kDitherGroup] + dither_lane_offset(uint32_t(place % kDitherGroup));
+  }
+#if FUSEDAMP_F16C_LANES
+  [[gnu::always_inline]] CodeLanes lanes(int64_t i) const {
+    const CodeLanes lane_steps = mul_lanes(lane_indices(), kDitherLaneStep);
+    if constexpr (kCodeLanes == kDitherGroup) {
+      return add_lanes(lanes_of(phases[(first + i) / kDitherGroup]), lane_steps);
+    } else {
+      return add_lanes(lanes_of(element(i)), lane_steps);
+    }
+  }
+#endif
+};
+
 struct TiledDraws {
   const uint32_t* draws;  // value 0's
 
@@ -81,7 +124,8 @@ struct TiledDraws {
 };
 
 // The first n draws of `keyed`.
-[[gnu::always_inline]] inline void fill_draws(const DitheredDraws& keyed, int64_t n, uint32_t* draws) {
+template <typename Draws>
+[[gnu::always_inline]] inline void fill_draws(const Draws& keyed, int64_t n, uint32_t* draws) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
   for (; i + kCodeLanes <= n; i += kCodeLanes) store_word_lanes(draws + i, keyed.lanes(i));
@@ -228,6 +272,11 @@ template <bool kSigned>
   return {stored, encoding, plain && under_top};
 }
 
+// A kind's forms by `wide`, in memory: the vector codec's constants of a block are then loads of
+// the form's fields, where picking each from two took scalar instructions and a broadcast.
+template <bool kSigned>
+inline constexpr CodeForm kCodeForms[2] = {narrow_code_form<kSigned>(), wide_code_form<kSigned>()};
+
 #if FUSEDAMP_F16C_LANES
 // A block's encode_code constants in lanes: its form's and the inverse of its scale.
 struct EncodeLanes {
@@ -243,7 +292,7 @@ struct EncodeLanes {
 
 template <bool kSigned>
 [[gnu::always_inline]] inline EncodeLanes encode_lanes_of(BlockEncoding encoding) {
-  const CodeForm form = code_form<kSigned>(encoding.wide);
+  const CodeForm& form = kCodeForms<kSigned>[encoding.wide];
   return {lanes_of(float_bits(encoding.inverse)),
           lanes_of(form.real_code_offset),
           lanes_of(form.smallest_bits),
@@ -409,7 +458,7 @@ template <bool kSigned>
                                                      float* values) {
   int64_t i = 0;
 #if FUSEDAMP_F16C_LANES
-  const CodeForm form = code_form<kSigned>(scale_is_wide(decode.stored));
+  const CodeForm& form = kCodeForms<kSigned>[scale_is_wide(decode.stored)];
   const DecodeLanes block{lanes_of(float_bits(scale_value(decode.stored))), lanes_of(form.bias),
                           shift_count(form.shift)};
   if (decode.special_codes) {
